@@ -1,0 +1,5 @@
+import sys
+
+from rayzero.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Self-play and evaluation roles (plain classes; `cluster/` makes them Ray actors)."""

@@ -1,0 +1,90 @@
+"""Greedy evaluation: play whole episodes with search (no noise, argmax of visits) and report returns."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.config import EnvConfig, ModelConfig
+from rayzero.envs import make_render_env, make_vector_env
+from rayzero.models import build_model
+from rayzero.tree import SearchConfig, search
+
+
+def greedy(search_cfg: SearchConfig) -> SearchConfig:
+    return dataclasses.replace(search_cfg, temperature=0.0, dirichlet_fraction=0.0, gumbel_scale=0.0)
+
+
+def play_episodes(
+    env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int
+) -> list[float]:
+    """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns."""
+    env = make_vector_env(env_cfg, episodes, seed, training=False)
+    config = greedy(search_cfg)
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        obs = env.reset(seed=seed)
+        returns = np.zeros(episodes)
+        done = np.zeros(episodes, dtype=bool)
+        for _ in range(max_steps):
+            root = evaluator.root(obs)
+            out = search(root, evaluator.recurrent_fn, config.num_simulations, config, generator=generator)
+            evaluator.release()
+            result = env.step(out.action.cpu().numpy())
+            returns += np.where(done, 0.0, result.reward)
+            done |= result.terminated | result.truncated
+            obs = result.obs
+            if done.all():
+                break
+    finally:
+        env.close()
+    return returns.tolist()
+
+
+class EvalWorker:
+    """Evaluates published weights in its own process (a Ray actor made in cluster/)."""
+
+    def __init__(self, env_cfg: EnvConfig, model_cfg: ModelConfig, search_cfg: SearchConfig, discount: float,
+                 torch_threads: int = 1):
+        from rayzero.envs import env_spec
+
+        torch.set_num_threads(torch_threads)
+        spec = env_spec(env_cfg)
+        self.env_cfg, self.search_cfg = env_cfg, search_cfg
+        self.evaluator = LocalEvaluator(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
+
+    def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int) -> dict[str, Any]:
+        version, state_dict = weights
+        self.evaluator.set_weights(state_dict)
+        returns = play_episodes(self.env_cfg, self.evaluator, self.search_cfg, episodes, max_steps, seed)
+        return {"version": version, "returns": returns, "mean": float(np.mean(returns)),
+                "std": float(np.std(returns))}
+
+
+def record_gif(env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, path: str, max_steps: int,
+               seed: int) -> float:
+    """Play one greedy episode in a rendering env and write its frames as a GIF; returns the episode return."""
+    from PIL import Image
+
+    env = make_render_env(env_cfg, seed)
+    config = greedy(search_cfg)
+    obs, _ = env.reset(seed=seed)
+    frames = [env.render()]
+    total = 0.0
+    for _ in range(max_steps):
+        root = evaluator.root(np.asarray(obs)[None])
+        out = search(root, evaluator.recurrent_fn, config.num_simulations, config)
+        evaluator.release()
+        obs, reward, terminated, truncated, _ = env.step(int(out.action[0]))
+        total += float(reward)
+        frames.append(env.render())
+        if terminated or truncated:
+            break
+    env.close()
+    images = [Image.fromarray(np.asarray(f)) for f in frames[:: max(1, len(frames) // 500)]]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=40, loop=0)
+    return total

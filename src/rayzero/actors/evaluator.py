@@ -1,0 +1,86 @@
+"""Evaluators: the network as self-play and evaluation see it, local or behind the inference actor.
+
+Both give the same two calls, batched over roots:
+    root(obs [B, ...] numpy) -> RootOutput(prior_logits [B, A], value [B], embedding [B, ...])
+    recurrent_fn(action [B], embedding [B, ...]) -> (RecurrentOutput, next_embedding)
+With the inference actor the "embedding" is a tensor of latent-slot handles [B] int64: latents stay on the
+inference device and only handles, actions, rewards, values and priors cross Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from rayzero.models.networks import MuZeroNet
+from rayzero.tree import RecurrentOutput, RootOutput
+
+
+class LocalEvaluator:
+    """Evaluates with a network held in this process (the default on a CPU-only machine)."""
+
+    def __init__(self, model: MuZeroNet, discount: float):
+        self.model = model.eval()
+        self.discount = discount
+        self.device = next(model.parameters()).device
+
+    def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                tensor.copy_(state_dict[name])
+
+    @torch.inference_mode()
+    def root(self, obs: np.ndarray) -> RootOutput:
+        out = self.model.initial(torch.as_tensor(obs, device=self.device))
+        return RootOutput(prior_logits=out.policy_logits, value=out.value, embedding=out.latent)
+
+    @torch.inference_mode()
+    def recurrent_fn(self, action: torch.Tensor, embedding: torch.Tensor) -> tuple[RecurrentOutput, torch.Tensor]:
+        out = self.model.recurrent(embedding, action)
+        discount = torch.full_like(out.value, self.discount)
+        return RecurrentOutput(out.reward, discount, out.policy_logits, out.value), out.latent
+
+    def release(self) -> None:
+        """Nothing to free: the latents of a local search are ordinary tensors."""
+
+
+class RemoteEvaluator:
+    """Evaluates through the central inference actor; latents stay there, referred to by slot handles."""
+
+    def __init__(self, server: Any, discount: float, client_id: str):
+        self.server = server
+        self.discount = discount
+        self.client_id = client_id
+
+    def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """The inference actor receives weights from the driver directly."""
+
+    def root(self, obs: np.ndarray) -> RootOutput:
+        import ray
+
+        out = ray.get(self.server.initial.remote(self.client_id, obs))
+        return RootOutput(
+            prior_logits=torch.from_numpy(out["policy_logits"]),
+            value=torch.from_numpy(out["value"]),
+            embedding=torch.from_numpy(out["handles"]),
+        )
+
+    def recurrent_fn(self, action: torch.Tensor, embedding: torch.Tensor) -> tuple[RecurrentOutput, torch.Tensor]:
+        import ray
+
+        out = ray.get(self.server.recurrent.remote(self.client_id, embedding.numpy(), action.numpy()))
+        value = torch.from_numpy(out["value"])
+        return (
+            RecurrentOutput(
+                torch.from_numpy(out["reward"]), torch.full_like(value, self.discount),
+                torch.from_numpy(out["policy_logits"]), value,
+            ),
+            torch.from_numpy(out["handles"]),
+        )
+
+    def release(self) -> None:
+        import ray
+
+        ray.get(self.server.release.remote(self.client_id))

@@ -1,0 +1,146 @@
+"""The self-play role: steps a batch of envs, runs one batched search per step, sends segments to replay.
+
+Each env writes its steps into preallocated per-env arrays. A segment leaves when the episode ends, or when
+`segment_length + unroll_steps + td_steps` steps have piled up: then the first `segment_length` positions
+are sampleable and the rest is a tail that completes their targets; the tail stays and starts the next
+segment, so no position is lost or duplicated as a start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.config import EnvConfig, ModelConfig, ReplayConfig
+from rayzero.envs import make_vector_env
+from rayzero.models import build_model
+from rayzero.replay.buffer import Segment
+from rayzero.tree import SearchConfig, search
+
+
+class SelfPlayWorker:
+    def __init__(
+        self,
+        env_cfg: EnvConfig,
+        model_cfg: ModelConfig,
+        search_cfg: SearchConfig,
+        replay_cfg: ReplayConfig,
+        seed: int,
+        sink: Callable[[Segment], Any] | None = None,
+        evaluator: Any = None,
+        torch_threads: int = 1,
+    ):
+        torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed)
+        self.env = make_vector_env(env_cfg, env_cfg.num_envs, seed, training=True)
+        spec = self.env.spec
+        self.num_envs = env_cfg.num_envs
+        self.search_cfg = search_cfg
+        self.replay_cfg = replay_cfg
+        self.sink = sink
+        if evaluator is None:
+            evaluator = LocalEvaluator(build_model(model_cfg, spec.observation_shape, spec.num_actions), replay_cfg.discount)
+        self.evaluator = evaluator
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = -1
+        self.obs = self.env.reset(seed=seed)
+        self.tail = replay_cfg.unroll_steps + replay_cfg.td_steps
+        self.window = replay_cfg.segment_length + self.tail
+        E, W, A = self.num_envs, self.window, spec.num_actions
+        self.buf_obs = np.zeros((E, W, *spec.observation_shape), dtype=spec.observation_dtype)
+        self.buf_action = np.zeros((E, W), dtype=np.int64)
+        self.buf_reward = np.zeros((E, W), dtype=np.float32)
+        self.buf_policy = np.zeros((E, W, A), dtype=np.float32)
+        self.buf_value = np.zeros((E, W), dtype=np.float32)
+        self.length = np.zeros(E, dtype=np.int64)
+        self.env_steps = 0
+
+    def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
+        self.evaluator.set_weights(state_dict)
+        self.version = version
+        return version
+
+    def _emit(self, env: int, length: int, sampleable: int, terminal: bool, bootstrap: float) -> Segment:
+        return Segment(
+            obs=self.buf_obs[env, :length].copy(),
+            actions=self.buf_action[env, :length].copy(),
+            rewards=self.buf_reward[env, :length].copy(),
+            policies=self.buf_policy[env, :length].copy(),
+            root_values=self.buf_value[env, :length].copy(),
+            num_sampleable=sampleable,
+            terminal=terminal,
+            bootstrap_value=bootstrap,
+        )
+
+    def step(self, temperature: float) -> list[Segment]:
+        """One env step of every env: search, act, record; returns the segments completed by this step."""
+        config = dataclasses.replace(self.search_cfg, temperature=temperature)
+        root = self.evaluator.root(self.obs)
+        out = search(root, self.evaluator.recurrent_fn, config.num_simulations, config, generator=self.generator)
+        self.evaluator.release()
+        actions = out.action.cpu().numpy()
+        rows = np.arange(self.num_envs)
+        t = self.length
+        self.buf_obs[rows, t] = self.obs
+        self.buf_action[rows, t] = actions
+        self.buf_policy[rows, t] = out.action_weights.float().cpu().numpy()
+        self.buf_value[rows, t] = out.root_value.float().cpu().numpy()
+        result = self.env.step(actions)
+        self.buf_reward[rows, t] = result.reward
+        self.length += 1
+        self.env_steps += self.num_envs
+        self.obs = result.obs
+
+        segments = []
+        ended = np.flatnonzero(result.terminated | result.truncated)
+        bootstrap = np.zeros(self.num_envs, dtype=np.float32)
+        truncated_only = ended[~result.terminated[ended]]
+        if len(truncated_only):
+            values = self.evaluator.root(result.final_obs[truncated_only]).value
+            self.evaluator.release()
+            bootstrap[truncated_only] = values.float().cpu().numpy()
+        for env in ended:
+            n = int(self.length[env])
+            segments.append(self._emit(env, n, n, bool(result.terminated[env]), float(bootstrap[env])))
+            self.length[env] = 0
+        for env in np.flatnonzero(self.length == self.window):
+            segments.append(self._emit(env, self.window, self.replay_cfg.segment_length, False, 0.0))
+            keep = slice(self.window - self.tail, self.window)
+            for buf in (self.buf_obs, self.buf_action, self.buf_reward, self.buf_policy, self.buf_value):
+                buf[env, : self.tail] = buf[env, keep]
+            self.length[env] = self.tail
+        self._last_episodes = (result.episode_returns, result.episode_lengths)
+        return segments
+
+    def collect(
+        self, num_steps: int, temperature: float = 1.0, weights: tuple[int, dict] | None = None
+    ) -> dict[str, Any]:
+        """num_steps batched steps; segments go to the sink; returns counts and finished-episode returns."""
+        if weights is not None and weights[0] != self.version:
+            self.set_weights(*weights)
+        start = time.perf_counter()
+        returns: list[float] = []
+        lengths: list[int] = []
+        pending = []
+        for _ in range(num_steps):
+            for segment in self.step(temperature):
+                if self.sink is not None:
+                    pending.append(self.sink(segment))
+            returns.extend(self._last_episodes[0])
+            lengths.extend(self._last_episodes[1])
+        if pending and hasattr(pending[0], "hex"):  # Ray ObjectRefs: wait, so replay applies backpressure
+            import ray
+
+            ray.get(pending)
+        return {
+            "env_steps": num_steps * self.num_envs,
+            "episode_returns": returns,
+            "episode_lengths": lengths,
+            "version": self.version,
+            "seconds": time.perf_counter() - start,
+        }

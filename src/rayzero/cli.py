@@ -1,0 +1,156 @@
+"""The `rayzero` command: train, eval and bench.
+
+Bad input (an unknown config key or env id, an out-of-range value, a missing or corrupt checkpoint) ends
+with one line on stderr naming the problem, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayzero", description="MuZero-family training by self-play on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train an agent", description=(
+        "Train on a local Ray (default), the cluster in RAY_ADDRESS, or the cluster of `ray job submit`. "
+        "Overrides are section.field=value, e.g. search.num_simulations=25 env.num_envs=32."))
+    train.add_argument("--config", default=None, help="preset name (cartpole, atari) or a YAML file")
+    train.add_argument("--env", default=None, help="Gymnasium env id, e.g. ALE/Breakout-v5 (overrides env.id)")
+    train.add_argument("--seed", type=int, default=None, help="run.seed")
+    train.add_argument("--out", required=True, help="run directory")
+    train.add_argument("--time-limit", type=float, default=None, help="seconds of training (run.time_limit)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    train.add_argument("overrides", nargs="*", help="section.field=value")
+
+    evaluate = sub.add_parser("eval", help="play greedy episodes with a checkpoint")
+    evaluate.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    evaluate.add_argument("--episodes", type=int, default=10)
+    evaluate.add_argument("--gif", default=None, help="write one episode as a GIF here")
+    evaluate.add_argument("--seed", type=int, default=12345)
+    evaluate.add_argument("--max-steps", type=int, default=None, help="step cap per episode")
+    evaluate.add_argument("overrides", nargs="*", help="section.field=value (e.g. search.num_simulations=50)")
+
+    bench = sub.add_parser("bench", help="run a benchmark (tree, inference, selfplay, learner)")
+    bench.add_argument("name")
+    bench.add_argument("--quick", action="store_true", help="smoke size that runs on a 2-core CPU")
+    bench.add_argument("--json", default=None, help="write the results here")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rayzero import config as config_lib
+    from rayzero.envs import env_spec
+    from rayzero.train import check_resumable, train
+
+    run_dir = Path(args.out)
+    overrides = list(args.overrides)
+    if args.env:
+        overrides.append(f"env.id={args.env}")
+    if args.seed is not None:
+        overrides.append(f"run.seed={args.seed}")
+    if args.time_limit is not None:
+        overrides.append(f"run.time_limit={args.time_limit}")
+    preset = args.config
+    if preset is None:
+        if args.resume and (run_dir / "config.yaml").exists():
+            preset = str(run_dir / "config.yaml")
+        else:
+            preset = "cartpole"
+    config = config_lib.load(preset, overrides)
+    env_spec(config.env)  # an unknown env id fails here, before Ray starts
+    if args.resume:
+        check_resumable(run_dir)
+    summary = train(config, run_dir, resume=args.resume)
+    print(json.dumps({k: summary[k] for k in ("env_id", "env_steps", "learner_steps", "eval_return_mean")}))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from rayzero import config as config_lib
+    from rayzero.actors.evaluate import play_episodes, record_gif
+    from rayzero.actors.evaluator import LocalEvaluator
+    from rayzero.envs import env_spec
+    from rayzero.learner import checkpoint as ckpt
+    from rayzero.learner import load_model_weights
+    from rayzero.models import build_model
+
+    if args.episodes < 1:
+        raise UsageError(f"--episodes={args.episodes} must be >= 1")
+    checkpoint = ckpt.latest(args.checkpoint)
+    config_path = next((p / "config.yaml" for p in (checkpoint, *checkpoint.parents) if (p / "config.yaml").exists()),
+                       None)
+    if config_path is None:
+        raise ckpt.CheckpointError(f"no config.yaml found next to checkpoint {str(checkpoint)!r}")
+    config = config_lib.load(str(config_path), list(args.overrides))
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    spec = env_spec(config.env)
+    model = build_model(config.model, spec.observation_shape, spec.num_actions)
+    load_model_weights(model, checkpoint)
+    evaluator = LocalEvaluator(model, config.replay.discount)
+    max_steps = args.max_steps or config.run.eval_max_steps
+    returns = play_episodes(config.env, evaluator, config.search, args.episodes, max_steps, args.seed)
+    print(f"{config.env.id}: {np.mean(returns):.2f} ± {np.std(returns):.2f} over {len(returns)} episodes "
+          f"(checkpoint {checkpoint})")
+    if args.gif:
+        episode_return = record_gif(config.env, evaluator, config.search, args.gif, max_steps, args.seed)
+        print(f"wrote {args.gif} (episode return {episode_return:.1f})")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    names = ("tree", "inference", "selfplay", "learner")
+    if args.name not in names:
+        raise UsageError(f"unknown benchmark {args.name!r}: valid are {', '.join(names)}")
+    try:
+        module = importlib.import_module(f"rayzero.bench.{args.name}")
+    except ModuleNotFoundError:
+        raise UsageError(f"benchmark {args.name!r} is not built yet") from None
+    module.main(quick=args.quick, json_path=args.json)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rayzero.config import ConfigError
+    from rayzero.learner.checkpoint import CheckpointError
+
+    args = _parser().parse_args(argv)
+    handlers = {"train": _train, "eval": _eval, "bench": _bench}
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, CheckpointError, UsageError) as error:
+        print(f"rayzero: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as error:
+        # Validation errors raised before any work starts (e.g. an unknown env id) are one-liners.
+        if getattr(error, "__traceback__", None) is not None and _is_input_error(error):
+            print(f"rayzero: error: {str(error).splitlines()[0]}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+def _is_input_error(error: ValueError) -> bool:
+    """True for errors raised while validating inputs (config, env id), not from deep inside training."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(f.filename.endswith(("envs.py", "config.py", "base.py")) for f in frames)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

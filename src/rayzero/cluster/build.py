@@ -1,0 +1,126 @@
+"""Resource planning and actor construction (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import ray
+
+from rayzero.actors.evaluate import EvalWorker
+from rayzero.actors.selfplay import SelfPlayWorker
+from rayzero.config import ClusterConfig, Config
+from rayzero.envs import EnvSpec
+from rayzero.inference.server import InferenceServer
+from rayzero.learner.learner import Learner
+from rayzero.replay.buffer import ReplayBuffer
+
+
+def connect(cfg: ClusterConfig) -> str:
+    """Join the cluster named by cluster.address or RAY_ADDRESS (set by `ray job submit`), else start one.
+
+    Returns how Ray was reached: 'existing' or 'local'.
+    """
+    if ray.is_initialized():
+        return "existing"
+    address = cfg.address or os.environ.get("RAY_ADDRESS", "")
+    # Workers of a local Ray find the package through the driver's sys.path only if it is installed;
+    # rayzero is installed (pip install -e .), so no runtime_env is needed.
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return "existing"
+    ray.init(num_cpus=cfg.num_cpus or None, include_dashboard=False, log_to_driver=True)
+    return "local"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Actor options per role, as passed to `.options(...)`."""
+
+    replay: dict[str, Any]
+    learner: dict[str, Any]
+    selfplay: dict[str, Any]
+    evaluator: dict[str, Any]
+    inference: dict[str, Any] | None
+    learner_device: str
+    inference_device: str
+
+
+def plan(config: Config, available: dict[str, float]) -> Plan:
+    """Computes every CPU/GPU request from the config and what the cluster has (`ray.cluster_resources()`)."""
+    c = config.cluster
+    gpus = available.get("GPU", 0.0)
+    learner_gpus = c.learner_gpus
+    if config.learner.device == "cuda" and learner_gpus == 0:
+        learner_gpus = 1.0
+    if config.learner.device == "auto" and learner_gpus == 0 and gpus >= 1:
+        learner_gpus = 1.0
+    if learner_gpus > gpus:
+        raise ValueError(f"cluster.learner_gpus={learner_gpus} but the cluster has {gpus} GPUs")
+    mode = config.inference.mode
+    if mode == "auto":
+        mode = "central" if gpus >= learner_gpus + 1 else "local"
+    inference_gpus = c.inference_gpus or (1.0 if mode == "central" and gpus >= learner_gpus + 1 else 0.0)
+    return Plan(
+        replay={"num_cpus": c.replay_cpus, "max_restarts": 0},
+        learner={"num_cpus": c.learner_cpus, "num_gpus": learner_gpus},
+        selfplay={"num_cpus": c.selfplay_cpus, "max_restarts": -1, "max_task_retries": 0},
+        evaluator={"num_cpus": c.eval_cpus, "max_restarts": -1},
+        inference=({"num_gpus": inference_gpus, "num_cpus": 1, "max_concurrency": 1000} if mode == "central" else None),
+        learner_device="cuda" if learner_gpus > 0 else "cpu",
+        inference_device="cuda" if inference_gpus > 0 else "cpu",
+    )
+
+
+@dataclasses.dataclass
+class Handles:
+    replay: Any
+    learner: Any
+    selfplay: list[Any]
+    evaluator: Any
+    inference: Any | None
+    plan: Plan
+
+
+def build(config: Config, spec: EnvSpec) -> Handles:
+    """Starts replay, learner, evaluator, the inference actor (central mode) and the self-play actors."""
+    p = plan(config, ray.cluster_resources())
+    c, seed = config.cluster, config.run.seed
+    replay = ray.remote(ReplayBuffer).options(**p.replay).remote(config.replay, seed)
+    learner_cfg = dataclasses.replace(config.learner, device=p.learner_device)
+    learner = ray.remote(Learner).options(**p.learner).remote(
+        config.model, learner_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads
+    )
+    evaluator = ray.remote(EvalWorker).options(**p.evaluator).remote(
+        config.env, config.model, config.search, config.replay.discount, c.torch_threads
+    )
+    inference = None
+    if p.inference is not None:
+        inference_cfg = dataclasses.replace(config.inference, device=p.inference_device)
+        inference = ray.remote(InferenceServer).options(**p.inference).remote(
+            config.model, inference_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads
+        )
+    selfplay = [make_selfplay(config, p, replay, inference, i) for i in range(c.num_selfplay_actors)]
+    return Handles(replay, learner, selfplay, evaluator, inference, p)
+
+
+def make_selfplay(config: Config, p: Plan, replay: Any, inference: Any, index: int) -> Any:
+    return ray.remote(_RemoteSelfPlay).options(**p.selfplay).remote(
+        config.env, config.model, config.search, config.replay, config.run.seed * 1000 + index + 1,
+        config.cluster.torch_threads, replay, inference, f"selfplay-{index}",
+    )
+
+
+class _RemoteSelfPlay(SelfPlayWorker):
+    """A self-play worker whose segments go to the replay actor and whose evaluator may be the inference actor."""
+
+    def __init__(self, env_cfg, model_cfg, search_cfg, replay_cfg, seed, torch_threads, replay, inference, name):
+        from rayzero.actors.evaluator import RemoteEvaluator
+
+        evaluator = None
+        if inference is not None:
+            # The pid makes a restarted actor a new client, so its predecessor's slots get reclaimed.
+            evaluator = RemoteEvaluator(inference, replay_cfg.discount, f"{name}-{os.getpid()}")
+        super().__init__(env_cfg, model_cfg, search_cfg, replay_cfg, seed=seed, sink=replay.add.remote,
+                         evaluator=evaluator, torch_threads=torch_threads)

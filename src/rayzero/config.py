@@ -1,0 +1,378 @@
+"""The run configuration: one frozen dataclass per component, composed in `Config`.
+
+Presets live in `rayzero/configs/*.yaml` (also reachable as `configs/` at the repo root). A preset is
+merged over the dataclass defaults, then command-line overrides (`section.field=value`) over the preset,
+through OmegaConf, which rejects unknown keys and values of the wrong type. Each dataclass validates its
+own ranges in `__post_init__`, so a bad value fails at start-up with the field, the value and what is
+valid. Every component receives only its own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rayzero.tree.base import SearchConfig
+
+PRESETS_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and what is valid."""
+
+
+def _check(section: str, obj: Any, rules: list[tuple[str, bool, str]]) -> None:
+    for name, ok, valid in rules:
+        if not ok:
+            raise ConfigError(f"{section}.{name}={getattr(obj, name)!r} is invalid: must be {valid}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """Which environment to play and how its observations are prepared."""
+
+    id: str = "CartPole-v1"
+    """Any Gymnasium env id; ids of the ALE namespace (e.g. 'ALE/Pong-v5') use ale-py's native vector env."""
+    num_envs: int = 16
+    """Environments stepped together by each self-play actor."""
+    frame_skip: int = 4
+    """Atari: frames per step (max-pooled over the last 2)."""
+    grayscale: bool = False
+    """Atari: grayscale instead of RGB frames."""
+    image_size: int = 96
+    """Atari: frames are resized to image_size x image_size (96 or 84)."""
+    frame_stack: int = 4
+    """Atari: frames stacked in one observation."""
+    noop_max: int = 30
+    """Atari: up to this many no-op actions at reset."""
+    sticky_action_prob: float = 0.25
+    """Atari: repeat_action_probability (0.25 = v5 semantics)."""
+    full_action_space: bool = False
+    """Atari: all 18 actions instead of the game's minimal set."""
+    episodic_life: bool = True
+    """Atari: a lost life ends the episode for training (never for evaluation)."""
+    clip_rewards: bool = False
+    """Clip training rewards to [-1, 1] (never for evaluation)."""
+    max_episode_steps: int = 0
+    """Truncate episodes after this many steps (0 = the env's own limit; Atari default 27000 = 108k frames)."""
+
+    def __post_init__(self) -> None:
+        _check("env", self, [
+            ("id", bool(self.id), "a Gymnasium env id such as 'CartPole-v1' or 'ALE/Pong-v5'"),
+            ("num_envs", self.num_envs >= 1, ">= 1"),
+            ("frame_skip", self.frame_skip >= 1, ">= 1"),
+            ("image_size", self.image_size in (84, 96), "84 or 96"),
+            ("frame_stack", self.frame_stack >= 1, ">= 1"),
+            ("noop_max", self.noop_max >= 0, ">= 0"),
+            ("sticky_action_prob", 0.0 <= self.sticky_action_prob < 1.0, "in [0, 1)"),
+            ("max_episode_steps", self.max_episode_steps >= 0, ">= 0"),
+        ])
+
+    @property
+    def is_atari(self) -> bool:
+        return self.id.startswith("ALE/")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The MuZero networks: representation, dynamics and prediction."""
+
+    kind: str = "auto"
+    """'mlp' for vector observations, 'resnet' for images, 'transformer' (inference issue), or 'auto'."""
+    latent_dim: int = 64
+    """MLP: size of the latent state."""
+    hidden: int = 128
+    """MLP: width of hidden layers."""
+    channels: int = 64
+    """ResNet: channels of the latent planes."""
+    blocks: int = 1
+    """ResNet: residual blocks in each of representation, dynamics and prediction."""
+    reduced_channels: int = 16
+    """ResNet: channels of the 1x1 convs before the value/reward/policy heads."""
+    head_hidden: int = 32
+    """ResNet: hidden width of the fully connected heads."""
+    support_size: int = 300
+    """Value and reward are categorical over [-support_size, support_size] after the h-transform (601 bins)."""
+
+    def __post_init__(self) -> None:
+        _check("model", self, [
+            ("kind", self.kind in ("auto", "mlp", "resnet", "transformer"), "'auto', 'mlp', 'resnet' or 'transformer'"),
+            ("latent_dim", self.latent_dim >= 1, ">= 1"),
+            ("hidden", self.hidden >= 1, ">= 1"),
+            ("channels", self.channels >= 1, ">= 1"),
+            ("blocks", self.blocks >= 0, ">= 0"),
+            ("reduced_channels", self.reduced_channels >= 1, ">= 1"),
+            ("head_hidden", self.head_hidden >= 1, ">= 1"),
+            ("support_size", self.support_size >= 1, ">= 1"),
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+    """The prioritised replay buffer and its targets."""
+
+    capacity: int = 100_000
+    """Transitions kept; the oldest segments are evicted first."""
+    unroll_steps: int = 5
+    """K: dynamics steps unrolled by the learner."""
+    td_steps: int = 10
+    """n of the n-step value targets."""
+    discount: float = 0.997
+    """Discount of rewards and value bootstraps."""
+    priority_alpha: float = 1.0
+    """Sampling probability proportional to priority**alpha (0 = uniform)."""
+    priority_beta: float = 1.0
+    """Importance-sampling exponent of the loss weights."""
+    segment_length: int = 200
+    """Steps per segment sent from a self-play actor (episodes that end sooner send what they have)."""
+    min_size: int = 1000
+    """Transitions needed before the learner starts."""
+
+    def __post_init__(self) -> None:
+        _check("replay", self, [
+            ("capacity", self.capacity >= 1, ">= 1"),
+            ("unroll_steps", self.unroll_steps >= 1, ">= 1"),
+            ("td_steps", self.td_steps >= 1, ">= 1"),
+            ("discount", 0.0 < self.discount <= 1.0, "in (0, 1]"),
+            ("priority_alpha", self.priority_alpha >= 0, ">= 0"),
+            ("priority_beta", self.priority_beta >= 0, ">= 0"),
+            ("segment_length", self.segment_length >= 1, ">= 1"),
+            ("min_size", 0 <= self.min_size <= self.capacity, "between 0 and replay.capacity"),
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """Training of the networks."""
+
+    batch_size: int = 256
+    """Samples per learner step."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    lr_warmup_steps: int = 200
+    """Linear warm-up steps."""
+    lr_decay_steps: int = 0
+    """Cosine decay to lr * lr_final_fraction over this many steps (0 = constant after warm-up)."""
+    lr_final_fraction: float = 0.1
+    """See lr_decay_steps."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    grad_clip: float = 5.0
+    """Global gradient norm clip (0 = off)."""
+    value_loss_weight: float = 0.25
+    """Weight of the value cross-entropy."""
+    replay_ratio: float = 8.0
+    """Target (learner samples) / (env steps); the driver throttles whichever side runs ahead."""
+    steps_per_call: int = 50
+    """Learner steps per remote call (between weight publications)."""
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu' or 'cuda'."""
+    bf16: bool = True
+    """bf16 autocast on CUDA."""
+    checkpoint_interval: int = 1000
+    """Learner steps between checkpoints."""
+
+    def __post_init__(self) -> None:
+        _check("learner", self, [
+            ("batch_size", self.batch_size >= 1, ">= 1"),
+            ("lr", self.lr > 0, "> 0"),
+            ("lr_warmup_steps", self.lr_warmup_steps >= 0, ">= 0"),
+            ("lr_decay_steps", self.lr_decay_steps >= 0, ">= 0"),
+            ("lr_final_fraction", 0 <= self.lr_final_fraction <= 1, "in [0, 1]"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("grad_clip", self.grad_clip >= 0, ">= 0"),
+            ("value_loss_weight", self.value_loss_weight >= 0, ">= 0"),
+            ("replay_ratio", self.replay_ratio > 0, "> 0"),
+            ("steps_per_call", self.steps_per_call >= 1, ">= 1"),
+            ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
+            ("checkpoint_interval", self.checkpoint_interval >= 1, ">= 1"),
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceConfig:
+    """The central inference actor (or a local network copy in each self-play actor)."""
+
+    mode: str = "auto"
+    """'local' (each self-play actor evaluates with its own copy), 'central' (one inference actor),
+    or 'auto' (central when a GPU is present, local otherwise)."""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda'."""
+    max_batch: int = 4096
+    """Largest bucket of the batching ladder."""
+    min_bucket: int = 8
+    """Smallest bucket; the ladder doubles from here up to max_batch."""
+    max_wait_us: int = 500
+    """Longest a request waits for others to fill a bucket."""
+    latent_pool_size: int = 65536
+    """Latent slots kept on the inference device for searches controlled from the CPU."""
+    cuda_graphs: bool = True
+    """Capture one CUDA graph per bucket (CUDA only)."""
+    bf16: bool = True
+    """bf16 trunk with fp32 heads (CUDA only)."""
+
+    def __post_init__(self) -> None:
+        _check("inference", self, [
+            ("mode", self.mode in ("auto", "local", "central"), "'auto', 'local' or 'central'"),
+            ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
+            ("max_batch", self.max_batch >= 1, ">= 1"),
+            ("min_bucket", 1 <= self.min_bucket <= self.max_batch, "between 1 and inference.max_batch"),
+            ("max_wait_us", self.max_wait_us >= 0, ">= 0"),
+            ("latent_pool_size", self.latent_pool_size >= 1, ">= 1"),
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """Ray resources; `rayzero.cluster` is the only place that reads this."""
+
+    num_selfplay_actors: int = 1
+    """Self-play actors (each steps env.num_envs envs)."""
+    selfplay_cpus: float = 1.0
+    """CPUs reserved per self-play actor."""
+    learner_cpus: float = 1.0
+    """CPUs reserved for the learner."""
+    learner_gpus: float = 0.0
+    """GPUs per learner rank (0 = CPU; 'auto' is resolved by the learner's device setting)."""
+    num_learners: int = 1
+    """Learner ranks (DDP); > 1 needs GPUs or uses gloo on the CPU."""
+    replay_cpus: float = 0.0
+    """CPUs reserved for the replay actor (0: it mostly waits)."""
+    inference_gpus: float = 0.0
+    """GPUs for the central inference actor."""
+    eval_cpus: float = 0.0
+    """CPUs reserved for the evaluation actor."""
+    torch_threads: int = 1
+    """torch intra-op threads in each actor."""
+    address: str = ""
+    """Ray address to connect to; empty = RAY_ADDRESS, a job's cluster, or a new local ray.init()."""
+    num_cpus: int = 0
+    """CPUs for a new local Ray (0 = all)."""
+
+    def __post_init__(self) -> None:
+        _check("cluster", self, [
+            ("num_selfplay_actors", self.num_selfplay_actors >= 1, ">= 1"),
+            ("selfplay_cpus", self.selfplay_cpus >= 0, ">= 0"),
+            ("learner_cpus", self.learner_cpus >= 0, ">= 0"),
+            ("learner_gpus", self.learner_gpus >= 0, ">= 0"),
+            ("num_learners", self.num_learners >= 1, ">= 1"),
+            ("replay_cpus", self.replay_cpus >= 0, ">= 0"),
+            ("inference_gpus", self.inference_gpus >= 0, ">= 0"),
+            ("eval_cpus", self.eval_cpus >= 0, ">= 0"),
+            ("torch_threads", self.torch_threads >= 1, ">= 1"),
+            ("num_cpus", self.num_cpus >= 0, ">= 0"),
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The driver loop: budget, evaluation and outputs."""
+
+    seed: int = 0
+    """Seeds envs, networks and search noise."""
+    time_limit: float = 0.0
+    """Wall-clock seconds of training (0 = no limit)."""
+    max_env_steps: int = 0
+    """Stop after this many env steps (0 = no limit)."""
+    max_learner_steps: int = 0
+    """Stop after this many learner steps (0 = no limit)."""
+    eval_interval: float = 30.0
+    """Seconds between evaluations while training."""
+    eval_episodes: int = 10
+    """Greedy episodes per evaluation (and in the final one)."""
+    eval_max_steps: int = 27_000
+    """Step cap of an evaluation episode."""
+    stop_return: float = 0.0
+    """Stop early once an evaluation's mean return reaches this (0 = never)."""
+    temperature_schedule: tuple[tuple[int, float], ...] = ((0, 1.0), (5000, 0.5), (10000, 0.25))
+    """(learner step, visit temperature) pairs: self-play uses the last entry whose step has passed."""
+    log_interval: float = 5.0
+    """Seconds between progress lines and metric rows."""
+    selfplay_steps_per_call: int = 20
+    """Batched env steps a self-play actor takes per remote call (weights are refreshed between calls)."""
+
+    def __post_init__(self) -> None:
+        # OmegaConf hands sequences over as lists; keep the frozen dataclass hashable and comparable.
+        object.__setattr__(self, "temperature_schedule", tuple(tuple(p) for p in self.temperature_schedule))
+        _check("run", self, [
+            ("time_limit", self.time_limit >= 0, ">= 0"),
+            ("max_env_steps", self.max_env_steps >= 0, ">= 0"),
+            ("max_learner_steps", self.max_learner_steps >= 0, ">= 0"),
+            ("eval_interval", self.eval_interval > 0, "> 0"),
+            ("eval_episodes", self.eval_episodes >= 1, ">= 1"),
+            ("eval_max_steps", self.eval_max_steps >= 1, ">= 1"),
+            ("log_interval", self.log_interval > 0, "> 0"),
+            ("selfplay_steps_per_call", self.selfplay_steps_per_call >= 1, ">= 1"),
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    search: SearchConfig = dataclasses.field(default_factory=SearchConfig)
+    replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
+    learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+    inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def _preset_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise ConfigError(f"config file {name_or_path!r} does not exist")
+        return path
+    candidate = PRESETS_DIR / f"{name_or_path}.yaml"
+    if not candidate.exists():
+        raise ConfigError(f"unknown config preset {name_or_path!r}: valid presets are {presets()} or a YAML file path")
+    return candidate
+
+
+def _convert(error: Exception) -> ConfigError:
+    # OmegaConf errors carry a multi-line "full_key: ... object_type=..." trailer; keep the first line.
+    message = str(error).strip().splitlines()[0]
+    key = getattr(error, "full_key", None)
+    if key and key not in message:
+        message = f"{key}: {message}"
+    return ConfigError(message)
+
+
+def load(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the preset (name or YAML path), then `section.field=value` overrides; validated."""
+    try:
+        base = OmegaConf.structured(Config)
+        layers = [base]
+        if preset:
+            layers.append(OmegaConf.load(_preset_path(preset)))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} is not of the form section.field=value")
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise _convert(error) from None
+    except ValueError as error:  # raised by a section's __post_init__
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(str(error)) from None
+    assert isinstance(config, Config)
+    return config
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def from_yaml_file(path: str | Path) -> Config:
+    return load(str(path))

@@ -1,0 +1,206 @@
+"""The MuZero networks: representation h(o), dynamics g(s, a) and prediction f(s).
+
+Two trunks share one interface: `MLPNet` for vector observations and `ResNet` (EfficientZero-sized) for
+stacked image frames. Both return logits; `initial` and `recurrent` also return scalars decoded from the
+categorical supports, which is what search needs. Latent states are min-max scaled to [0, 1] per sample,
+as in MuZero, so the dynamics see inputs of a fixed range.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rayzero.config import ModelConfig
+from rayzero.models.support import support_to_scalar
+
+
+class NetworkOutput(NamedTuple):
+    latent: torch.Tensor  # [B, ...]
+    value: torch.Tensor  # [B] scalar (decoded)
+    reward: torch.Tensor  # [B] scalar (decoded); 0 for initial inference
+    policy_logits: torch.Tensor  # [B, A]
+    value_logits: torch.Tensor  # [B, 2S+1]
+    reward_logits: torch.Tensor  # [B, 2S+1]
+
+
+def scale_latent(latent: torch.Tensor) -> torch.Tensor:
+    flat = latent.flatten(1)
+    low = flat.min(1, keepdim=True).values
+    high = flat.max(1, keepdim=True).values
+    return ((flat - low) / (high - low).clamp_min(1e-5)).view_as(latent)
+
+
+class MuZeroNet(nn.Module):
+    """Base: subclasses define represent(obs), dynamics(latent, action) -> (latent, reward_logits), predict(latent)."""
+
+    support_size: int
+    num_actions: int
+
+    def represent(self, obs: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def initial(self, obs: torch.Tensor) -> NetworkOutput:
+        """obs [B, *obs_shape] -> NetworkOutput with reward 0."""
+        latent = self.represent(obs)
+        policy_logits, value_logits = self.predict(latent)
+        batch = obs.shape[0]
+        reward_logits = torch.zeros(batch, 2 * self.support_size + 1, device=obs.device)
+        reward_logits[:, self.support_size] = 1e4  # a point mass on 0
+        return NetworkOutput(
+            latent,
+            support_to_scalar(value_logits, self.support_size),
+            torch.zeros(batch, device=obs.device),
+            policy_logits.float(),
+            value_logits.float(),
+            reward_logits,
+        )
+
+    def recurrent(self, latent: torch.Tensor, action: torch.Tensor) -> NetworkOutput:
+        """latent [B, ...], action [B] int64 -> NetworkOutput of the next state."""
+        next_latent, reward_logits = self.dynamics(latent, action)
+        policy_logits, value_logits = self.predict(next_latent)
+        return NetworkOutput(
+            next_latent,
+            support_to_scalar(value_logits, self.support_size),
+            support_to_scalar(reward_logits, self.support_size),
+            policy_logits.float(),
+            value_logits.float(),
+            reward_logits.float(),
+        )
+
+
+def _mlp(sizes: list[int], final_activation: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2 or final_activation:
+            layers.append(nn.LayerNorm(sizes[i + 1]))
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class MLPNet(MuZeroNet):
+    """For vector observations [B, D]."""
+
+    def __init__(self, obs_shape: tuple[int, ...], num_actions: int, cfg: ModelConfig):
+        super().__init__()
+        obs_dim = int(torch.tensor(obs_shape).prod())
+        bins = 2 * cfg.support_size + 1
+        self.support_size = cfg.support_size
+        self.num_actions = num_actions
+        self.representation = _mlp([obs_dim, cfg.hidden, cfg.latent_dim])
+        self.dynamics_trunk = _mlp([cfg.latent_dim + num_actions, cfg.hidden, cfg.latent_dim])
+        self.reward_head = _mlp([cfg.latent_dim, cfg.hidden, bins])
+        self.value_head = _mlp([cfg.latent_dim, cfg.hidden, bins])
+        self.policy_head = _mlp([cfg.latent_dim, cfg.hidden, num_actions])
+        # Heads start at zero output so early values/rewards decode to 0 and priors are uniform.
+        for head in (self.reward_head, self.value_head, self.policy_head):
+            nn.init.zeros_(head[-1].weight)
+            nn.init.zeros_(head[-1].bias)
+
+    def represent(self, obs: torch.Tensor) -> torch.Tensor:
+        return scale_latent(self.representation(obs.flatten(1).float()))
+
+    def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        one_hot = F.one_hot(action.long(), self.num_actions).to(latent.dtype)
+        next_latent = scale_latent(self.dynamics_trunk(torch.cat([latent, one_hot], dim=1)))
+        return next_latent, self.reward_head(next_latent)
+
+    def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.policy_head(latent), self.value_head(latent)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(out)))
+
+
+class ResNet(MuZeroNet):
+    """For stacked frames [B, C, H, W] uint8 (96x96 -> 6x6 latent, as in EfficientZero)."""
+
+    def __init__(self, obs_shape: tuple[int, ...], num_actions: int, cfg: ModelConfig):
+        super().__init__()
+        in_channels, height, width = obs_shape
+        c = cfg.channels
+        bins = 2 * cfg.support_size + 1
+        self.support_size = cfg.support_size
+        self.num_actions = num_actions
+        # Downsample x16: stride-2 conv, res, stride-2 conv, res, avgpool, res, avgpool.
+        self.down = nn.Sequential(
+            nn.Conv2d(in_channels, c // 2, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(c // 2),
+            nn.ReLU(),
+            ResidualBlock(c // 2),
+            nn.Conv2d(c // 2, c, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            ResidualBlock(c),
+            nn.AvgPool2d(3, stride=2, padding=1),
+            ResidualBlock(c),
+            nn.AvgPool2d(3, stride=2, padding=1),
+        )
+        self.repr_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
+        latent_h, latent_w = -(-height // 16), -(-width // 16)
+        self.latent_shape = (c, latent_h, latent_w)
+        self.dyn_conv = nn.Sequential(nn.Conv2d(c + 1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+        self.dyn_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
+        flat = cfg.reduced_channels * latent_h * latent_w
+        self.reward_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
+        self.reward_fc = _mlp([flat, cfg.head_hidden, bins])
+        self.pred_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
+        self.value_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
+        self.value_fc = _mlp([flat, cfg.head_hidden, bins])
+        self.policy_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
+        self.policy_fc = _mlp([flat, cfg.head_hidden, num_actions])
+        for head in (self.reward_fc, self.value_fc, self.policy_fc):
+            nn.init.zeros_(head[-1].weight)
+            nn.init.zeros_(head[-1].bias)
+
+    def represent(self, obs: torch.Tensor) -> torch.Tensor:
+        x = obs.float() / 255.0
+        return scale_latent(self.repr_blocks(self.down(x)))
+
+    def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, _, height, width = latent.shape
+        plane = (action.to(latent.dtype) / self.num_actions).view(batch, 1, 1, 1).expand(batch, 1, height, width)
+        x = F.relu(self.dyn_conv(torch.cat([latent, plane], dim=1)) + latent)
+        next_latent = scale_latent(self.dyn_blocks(x))
+        reward_logits = self.reward_fc(F.relu(self.reward_conv(next_latent)).flatten(1))
+        return next_latent, reward_logits
+
+    def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.pred_blocks(latent)
+        policy = self.policy_fc(F.relu(self.policy_conv(x)).flatten(1))
+        value = self.value_fc(F.relu(self.value_conv(x)).flatten(1))
+        return policy, value
+
+
+def build_model(cfg: ModelConfig, obs_shape: tuple[int, ...], num_actions: int) -> MuZeroNet:
+    kind = cfg.kind
+    if kind == "auto":
+        kind = "resnet" if len(obs_shape) == 3 else "mlp"
+    if kind == "mlp":
+        return MLPNet(obs_shape, num_actions, cfg)
+    if kind == "resnet":
+        if len(obs_shape) != 3:
+            raise ValueError(f"model.kind='resnet' needs image observations [C, H, W], got shape {obs_shape}")
+        return ResNet(obs_shape, num_actions, cfg)
+    raise ValueError(f"model.kind={kind!r} is not available here: use 'mlp' or 'resnet'")

@@ -1,0 +1,345 @@
+"""The driver loop: starts the roles, keeps the self-play-to-learning ratio, evaluates, checkpoints, logs.
+
+The driver never sleeps to poll: it waits on the futures of whichever roles are busy (`ray.wait`) and
+schedules the next piece of work from the counters. Self-play runs while the learner keeps up
+(learner samples >= replay_ratio * env steps, minus a slack); the learner runs while it is behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from rayzero import cluster
+from rayzero.config import Config, to_yaml
+from rayzero.envs import env_spec
+from rayzero.learner import checkpoint as ckpt
+
+
+class Interrupted(Exception):
+    pass
+
+
+def temperature_at(schedule: tuple[tuple[int, float], ...], learner_steps: int) -> float:
+    value = schedule[0][1] if schedule else 1.0
+    for step, temperature in schedule:
+        if learner_steps >= step:
+            value = temperature
+    return value
+
+
+class MetricsLog:
+    """metrics.jsonl, TensorBoard scalars and the learning-curve plot of one run dir."""
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = run_dir
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        step = int(row.get("env_steps", 0))
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and key not in ("env_steps", "time"):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        self.writer.close()
+        plot_learning_curve(self.run_dir)
+
+
+def plot_learning_curve(run_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
+    evals = [r for r in rows if "eval_return_mean" in r]
+    train = [r for r in rows if "train_return_mean" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, x_key, label in ((axes[0], "env_steps", "env steps"), (axes[1], "wall_seconds", "wall seconds")):
+        if train:
+            ax.plot([r[x_key] for r in train], [r["train_return_mean"] for r in train], alpha=0.5, label="self-play")
+        if evals:
+            mean = np.array([r["eval_return_mean"] for r in evals])
+            std = np.array([r["eval_return_std"] for r in evals])
+            x = [r[x_key] for r in evals]
+            ax.plot(x, mean, marker="o", label="eval (greedy)")
+            ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+        ax.set_xlabel(label)
+        ax.set_ylabel("episode return")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "learning_curve.png", dpi=100)
+    plt.close(fig)
+
+
+def check_resumable(run_dir: Path) -> tuple[Path, dict]:
+    """The latest checkpoint and its state, or a CheckpointError naming what is missing or corrupt."""
+    from safetensors import safe_open
+
+    checkpoint = ckpt.latest(run_dir)
+    state = ckpt.read_state(checkpoint)
+    try:
+        with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+            list(f.keys())
+    except Exception as error:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+        raise ckpt.CheckpointError(f"checkpoint {str(checkpoint)!r} is corrupt: model.safetensors: {error}") from None
+    for key in ("learner_steps", "env_steps"):
+        if key not in state:
+            raise ckpt.CheckpointError(f"checkpoint {str(checkpoint)!r}: state.json lacks {key!r}")
+    return checkpoint, state
+
+
+class Driver:
+    def __init__(self, config: Config, run_dir: Path, resume: bool):
+        self.config = config
+        self.run_dir = run_dir
+        self.resume = resume
+        self.spec = env_spec(config.env)
+        self.env_steps = 0
+        self.learner_steps = 0
+        self.episodes = 0
+        self.wall_before = 0.0
+        self.version = 0
+        self.last_eval: dict[str, Any] | None = None
+        self.best_eval = -math.inf
+        self.train_returns: list[float] = []
+        self.last_metrics: dict[str, float] = {}
+        self.stop_reason = ""
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+
+    def save_checkpoint(self, handles: cluster.Handles) -> Path:
+        staging = ckpt.staging_dir(self.run_dir, self.learner_steps)
+        ray.get([handles.learner.save.remote(str(staging)),
+                 handles.replay.snapshot.remote(str(staging / "replay.npz"))])
+        counters = ray.get(handles.learner.counters.remote())
+        state = {
+            "env_steps": self.env_steps, "learner_steps": counters["learner_steps"], "version": counters["version"],
+            "episodes": self.episodes, "wall_seconds": self.wall_before + time.perf_counter() - self.start,
+            "env_id": self.config.env.id, "best_eval_return": None if self.best_eval == -math.inf else self.best_eval,
+        }
+        return ckpt.commit(self.run_dir, staging, counters["learner_steps"], state)
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        config, run_dir = self.config, self.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint = None
+        if self.resume:
+            checkpoint, state = check_resumable(run_dir)
+            self.env_steps, self.learner_steps = state["env_steps"], state["learner_steps"]
+            self.episodes, self.wall_before = state.get("episodes", 0), state.get("wall_seconds", 0.0)
+            if state.get("best_eval_return") is not None:
+                self.best_eval = state["best_eval_return"]
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+        how = cluster.connect(config.cluster)
+        print(f"rayzero: Ray {how}, resources {ray.cluster_resources()}", flush=True)
+        self.start = time.perf_counter()
+        handles = cluster.build(config, self.spec)
+        if checkpoint is not None:
+            ray.get([handles.learner.load.remote(str(checkpoint)),
+                     handles.replay.restore.remote(str(checkpoint / "replay.npz"))])
+            print(f"rayzero: resumed from {checkpoint} at env_steps={self.env_steps} "
+                  f"learner_steps={self.learner_steps}", flush=True)
+        log = MetricsLog(run_dir)
+        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self._loop(handles, log)
+        except (KeyboardInterrupt, Interrupted):
+            self.stop_reason = "interrupted"
+            print("\nrayzero: interrupted; writing a checkpoint and the summary", flush=True)
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+        summary = self._finish(handles, log)
+        return summary
+
+    def _on_sigterm(self, *_: Any) -> None:
+        raise Interrupted()
+
+    def _loop(self, handles: cluster.Handles, log: MetricsLog) -> None:
+        config = self.config
+        run, learner_cfg, replay_cfg = config.run, config.learner, config.replay
+        num_envs = config.env.num_envs
+        collect_env_steps = run.selfplay_steps_per_call * num_envs
+        slack = learner_cfg.replay_ratio * max(replay_cfg.min_size, 2 * collect_env_steps * len(handles.selfplay))
+        samples_per_call = learner_cfg.steps_per_call * learner_cfg.batch_size
+        weights = handles.learner.weights.remote()
+        if handles.inference is not None:
+            ray.get(handles.inference.set_weights.remote(*ray.get(weights)))
+        pending: dict[Any, tuple[str, int]] = {}
+        busy_actor = [False] * len(handles.selfplay)
+        learner_busy = eval_busy = False
+        next_eval = time.perf_counter() + run.eval_interval
+        next_log = time.perf_counter() + run.log_interval
+        next_checkpoint = (self.learner_steps // learner_cfg.checkpoint_interval + 1) * learner_cfg.checkpoint_interval
+        env_steps_at_start = self.env_steps
+        learner_steps_at_start = self.learner_steps
+        start = self.start
+
+        while True:
+            now = time.perf_counter()
+            elapsed = now - start
+            if run.time_limit and elapsed >= run.time_limit:
+                self.stop_reason = "time_limit"
+            elif run.max_env_steps and self.env_steps >= run.max_env_steps:
+                self.stop_reason = "max_env_steps"
+            elif run.max_learner_steps and self.learner_steps >= run.max_learner_steps:
+                self.stop_reason = "max_learner_steps"
+            if self.stop_reason:
+                break
+            learner_samples = self.learner_steps * learner_cfg.batch_size
+            target = learner_cfg.replay_ratio * self.env_steps
+            # Schedule self-play while the learner keeps up.
+            temperature = temperature_at(run.temperature_schedule, self.learner_steps)
+            for i, actor in enumerate(handles.selfplay):
+                if not busy_actor[i] and (self.env_steps < replay_cfg.min_size or target <= learner_samples + slack):
+                    ref = actor.collect.remote(run.selfplay_steps_per_call, temperature, weights)
+                    pending[ref] = ("collect", i)
+                    busy_actor[i] = True
+            # Schedule the learner while it is behind.
+            if not learner_busy and self.env_steps >= replay_cfg.min_size and learner_samples < target + samples_per_call:
+                pending[handles.learner.train.remote(handles.replay, learner_cfg.steps_per_call)] = ("learn", 0)
+                learner_busy = True
+            if not eval_busy and now >= next_eval and self.learner_steps > 0:
+                ref = handles.evaluator.evaluate.remote(weights, run.eval_episodes, run.eval_max_steps,
+                                                        run.seed + 10_000)
+                pending[ref] = ("eval", 0)
+                eval_busy = True
+            timeout = max(0.01, min(next_log, next_eval) - time.perf_counter())
+            if run.time_limit:
+                timeout = min(timeout, max(0.01, start + run.time_limit - time.perf_counter()))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            for ref in ready:
+                kind, index = pending.pop(ref)
+                if kind == "collect":
+                    busy_actor[index] = False
+                    try:
+                        result = ray.get(ref)
+                    except ray.exceptions.RayActorError as error:
+                        print(f"rayzero: self-play actor {index} died ({type(error).__name__}); it restarts",
+                              flush=True)
+                        continue
+                    self.env_steps += result["env_steps"]
+                    self.episodes += len(result["episode_returns"])
+                    self.train_returns.extend(result["episode_returns"])
+                elif kind == "learn":
+                    learner_busy = False
+                    result = ray.get(ref)
+                    self.learner_steps = result["learner_steps"]
+                    self.version = result["version"]
+                    self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float)}
+                    weights = handles.learner.weights.remote()
+                    if handles.inference is not None:
+                        handles.inference.set_weights.remote(*ray.get(weights))
+                    if self.learner_steps >= next_checkpoint:
+                        self.save_checkpoint(handles)
+                        next_checkpoint += learner_cfg.checkpoint_interval
+                else:
+                    eval_busy = False
+                    result = ray.get(ref)
+                    self._record_eval(result, log)
+                    next_eval = time.perf_counter() + run.eval_interval
+                    if run.stop_return and result["mean"] >= run.stop_return:
+                        self.stop_reason = "stop_return"
+            if time.perf_counter() >= next_log:
+                self._log_progress(log, env_steps_at_start, learner_steps_at_start)
+                next_log = time.perf_counter() + run.log_interval
+        # Let in-flight work end cleanly, so the learner and replay are consistent for the checkpoint.
+        if pending:
+            ray.wait(list(pending), num_returns=len(pending), timeout=120)
+            for ref, (kind, _) in pending.items():
+                try:
+                    result = ray.get(ref, timeout=0)
+                except Exception:  # noqa: BLE001 - work cut off at shutdown is dropped
+                    continue
+                if kind == "collect":
+                    self.env_steps += result["env_steps"]
+                    self.episodes += len(result["episode_returns"])
+                elif kind == "learn":
+                    self.learner_steps = result["learner_steps"]
+
+    def _record_eval(self, result: dict[str, Any], log: MetricsLog) -> None:
+        self.last_eval = result
+        self.best_eval = max(self.best_eval, result["mean"])
+        log.write({
+            "time": time.time(), "wall_seconds": self.wall_before + time.perf_counter() - self.start,
+            "env_steps": self.env_steps, "learner_steps": self.learner_steps, "version": result["version"],
+            "eval_return_mean": result["mean"], "eval_return_std": result["std"],
+            "eval_episodes": len(result["returns"]),
+        })
+        print(f"rayzero: eval v{result['version']}: {result['mean']:.1f} ± {result['std']:.1f} "
+              f"over {len(result['returns'])} episodes", flush=True)
+
+    def _log_progress(self, log: MetricsLog, env0: int, learn0: int) -> None:
+        elapsed = time.perf_counter() - self.start
+        recent = self.train_returns[-20:]
+        row = {
+            "time": time.time(), "wall_seconds": self.wall_before + elapsed, "env_steps": self.env_steps,
+            "learner_steps": self.learner_steps, "env_steps_per_second": (self.env_steps - env0) / elapsed,
+            "learner_steps_per_second": (self.learner_steps - learn0) / elapsed, "episodes": self.episodes,
+            **self.last_metrics,
+        }
+        if recent:
+            row["train_return_mean"] = float(np.mean(recent))
+        log.write(row)
+        last = f"{self.last_eval['mean']:.1f}" if self.last_eval else "-"
+        train = f"{row.get('train_return_mean', float('nan')):.1f}"
+        print(f"[{elapsed:6.0f}s] env steps {self.env_steps:>9,d} ({row['env_steps_per_second']:.0f}/s)  "
+              f"learner steps {self.learner_steps:>7,d} ({row['learner_steps_per_second']:.1f}/s)  "
+              f"train return {train}  eval {last}", flush=True)
+
+    def _finish(self, handles: cluster.Handles, log: MetricsLog) -> dict[str, Any]:
+        run = self.config.run
+        final_weights = handles.learner.weights.remote()
+        version = ray.get(final_weights)[0]
+        if self.last_eval is None or self.last_eval["version"] != version or \
+                len(self.last_eval["returns"]) != run.eval_episodes:
+            result = ray.get(handles.evaluator.evaluate.remote(final_weights, run.eval_episodes, run.eval_max_steps,
+                                                               run.seed + 10_000))
+            self._record_eval(result, log)
+        path = self.save_checkpoint(handles)
+        wall = self.wall_before + time.perf_counter() - self.start
+        summary = {
+            "env_id": self.config.env.id,
+            "env_steps": self.env_steps,
+            "learner_steps": self.learner_steps,
+            "wall_seconds": wall,
+            "eval_return_mean": self.last_eval["mean"],
+            "eval_return_std": self.last_eval["std"],
+            "eval_episodes": len(self.last_eval["returns"]),
+            "eval_returns": self.last_eval["returns"],
+            "best_eval_return": self.best_eval,
+            "episodes": self.episodes,
+            "weights_version": version,
+            "checkpoint": str(path),
+            "stop_reason": self.stop_reason,
+            "seed": run.seed,
+        }
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(self.run_dir / "summary.json")
+        log.close()
+        print(f"rayzero: done ({self.stop_reason}): {self.env_steps:,d} env steps, {self.learner_steps:,d} learner "
+              f"steps in {wall:.0f}s; eval {summary['eval_return_mean']:.1f} ± {summary['eval_return_std']:.1f}",
+              flush=True)
+        return summary
+
+
+def train(config: Config, run_dir: str | Path, resume: bool = False) -> dict[str, Any]:
+    return Driver(config, Path(run_dir), resume).run()

@@ -1,0 +1,77 @@
+"""The CLI's handling of bad input: one line naming the problem, exit code 2, no traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def rayzero(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "rayzero", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+
+
+def assert_usage_error(result, *needles):
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_unknown_env_id(tmp_path):
+    assert_usage_error(rayzero("train", "--config", "cartpole", "--env", "NoSuchEnv-v9", "--out", str(tmp_path)),
+                       "NoSuchEnv-v9")
+
+
+def test_unknown_ale_game(tmp_path):
+    assert_usage_error(rayzero("train", "--config", "atari", "--env", "ALE/NoSuchGame-v5", "--out", str(tmp_path)),
+                       "ALE/NoSuchGame-v5")
+
+
+def test_negative_num_simulations(tmp_path):
+    assert_usage_error(rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "search.num_simulations=-3"),
+                       "search.num_simulations=-3", ">= 1")
+
+
+def test_unknown_config_key(tmp_path):
+    assert_usage_error(rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "learner.lrr=0.1"), "lrr")
+
+
+def test_unknown_preset(tmp_path):
+    assert_usage_error(rayzero("train", "--config", "nosuchpreset", "--out", str(tmp_path)), "nosuchpreset", "cartpole")
+
+
+@pytest.mark.parametrize("command", ["eval", "resume"])
+def test_missing_checkpoint(tmp_path, command):
+    if command == "eval":
+        result = rayzero("eval", "--checkpoint", str(tmp_path / "nothing"), "--episodes", "1")
+    else:
+        result = rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "--resume")
+    assert_usage_error(result, "no checkpoint found")
+
+
+@pytest.mark.parametrize("command", ["eval", "resume"])
+def test_corrupt_checkpoint(tmp_path, command):
+    from rayzero import config
+    from rayzero.config import ModelConfig
+    from rayzero.learner import checkpoint as ckpt
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(config.to_yaml(config.load("cartpole")))
+    staging = ckpt.staging_dir(run_dir, 10)
+    (staging / "model.safetensors").write_bytes(b"\x00\x01 not a safetensors file")
+    (staging / "optimizer.pt").write_bytes(b"junk")
+    ckpt.commit(run_dir, staging, 10, {"learner_steps": 10, "env_steps": 100})
+    assert ModelConfig  # the config above is a real one: only the weights are corrupt
+    if command == "eval":
+        result = rayzero("eval", "--checkpoint", str(run_dir), "--episodes", "1")
+    else:
+        result = rayzero("train", "--config", "cartpole", "--out", str(run_dir), "--resume")
+    assert_usage_error(result, "corrupt")
+
+
+def test_unknown_benchmark():
+    assert_usage_error(rayzero("bench", "nosuchbench"), "nosuchbench", "tree")

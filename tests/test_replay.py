@@ -1,0 +1,127 @@
+"""Replay: n-step targets against hand-computed values, eviction, priorities, snapshots."""
+
+import numpy as np
+import pytest
+
+from rayzero.config import ReplayConfig
+from rayzero.replay import ReplayBuffer, Segment
+
+
+def segment(length, num_actions=2, terminal=True, bootstrap=0.0, sampleable=None, start_value=0.0, obs_dim=3):
+    t = np.arange(length, dtype=np.float32)
+    return Segment(
+        obs=np.stack([t + start_value] * obs_dim, axis=1),
+        actions=(np.arange(length) % num_actions).astype(np.int64),
+        rewards=np.ones(length, dtype=np.float32),
+        policies=np.full((length, num_actions), 1.0 / num_actions, dtype=np.float32),
+        root_values=(10.0 + t).astype(np.float32),
+        num_sampleable=sampleable or length,
+        terminal=terminal,
+        bootstrap_value=bootstrap,
+    )
+
+
+def targets_at(buffer, flat_index):
+    return buffer._targets(np.array([flat_index]), np.ones(1, dtype=np.float32))
+
+
+def test_n_step_value_target_inside_episode():
+    cfg = ReplayConfig(capacity=100, unroll_steps=2, td_steps=3, discount=0.5, min_size=0)
+    buffer = ReplayBuffer(cfg)
+    buffer.add(segment(10))
+    batch = targets_at(buffer, 2)
+    # z_2 = 1 + .5 + .25 + .125 * v_5, v_5 = 15
+    assert batch.target_values[0, 0] == pytest.approx(1 + 0.5 + 0.25 + 0.125 * 15)
+    assert batch.target_values[0, 1] == pytest.approx(1 + 0.5 + 0.25 + 0.125 * 16)
+    np.testing.assert_array_equal(batch.target_rewards[0], [0, 1, 1])
+    np.testing.assert_array_equal(batch.obs[0], [2, 2, 2])
+    np.testing.assert_array_equal(batch.actions[0], [0, 1])
+    assert batch.value_mask.all() and batch.policy_mask.all()
+
+
+def test_terminal_end_is_absorbing():
+    cfg = ReplayConfig(capacity=100, unroll_steps=3, td_steps=5, discount=1.0, min_size=0)
+    buffer = ReplayBuffer(cfg)
+    buffer.add(segment(4, terminal=True))
+    batch = targets_at(buffer, 2)  # states 2, 3 inside; 4, 5 after the terminal
+    np.testing.assert_allclose(batch.target_values[0], [2, 1, 0, 0])
+    np.testing.assert_allclose(batch.target_rewards[0], [0, 1, 1, 0])
+    np.testing.assert_array_equal(batch.value_mask[0], [1, 1, 1, 1])
+    np.testing.assert_array_equal(batch.reward_mask[0], [0, 1, 1, 1])
+    np.testing.assert_array_equal(batch.policy_mask[0], [1, 1, 0, 0])
+
+
+def test_truncated_end_bootstraps_and_masks_beyond():
+    cfg = ReplayConfig(capacity=100, unroll_steps=3, td_steps=5, discount=0.5, min_size=0)
+    buffer = ReplayBuffer(cfg)
+    buffer.add(segment(4, terminal=False, bootstrap=8.0))
+    batch = targets_at(buffer, 2)
+    # z_2 = 1 + .5 + .25 * 8 ; z_3 = 1 + .5 * 8 ; state 4 = the cut: its value is the bootstrap
+    np.testing.assert_allclose(batch.target_values[0, :3], [1 + 0.5 + 0.25 * 8, 1 + 0.5 * 8, 8.0])
+    np.testing.assert_array_equal(batch.value_mask[0], [1, 1, 1, 0])
+    np.testing.assert_array_equal(batch.reward_mask[0], [0, 1, 1, 0])
+
+
+def test_mid_episode_tail_is_not_sampled():
+    cfg = ReplayConfig(capacity=100, unroll_steps=2, td_steps=2, discount=1.0, min_size=0)
+    buffer = ReplayBuffer(cfg, seed=1)
+    buffer.add(segment(9, terminal=False, sampleable=5))
+    batch = buffer.sample(2000)
+    assert set(np.unique(batch.indices)) == {0, 1, 2, 3, 4}
+    assert batch.value_mask.all() and batch.policy_mask.all()
+
+
+def test_eviction_keeps_whole_segments_and_counts():
+    cfg = ReplayConfig(capacity=25, unroll_steps=1, td_steps=1, min_size=0)
+    buffer = ReplayBuffer(cfg)
+    for i in range(5):
+        buffer.add(segment(10, start_value=100 * i))
+    # 25 slots hold two segments of 10; the third wrapped to 0 and evicted the oldest.
+    assert len(buffer) == 20
+    batch = buffer.sample(500)
+    starts = set((batch.obs[:, 0] // 100).astype(int).tolist())
+    assert starts == {3, 4}
+    assert buffer.stats()["total_added"] == 50
+
+
+def test_priorities_steer_sampling_and_ignore_stale_updates():
+    cfg = ReplayConfig(capacity=20, unroll_steps=1, td_steps=1, min_size=0)
+    buffer = ReplayBuffer(cfg, seed=0)
+    buffer.add(segment(10))
+    batch = buffer.sample(10)
+    priorities = np.full(10, 1e-6)
+    priorities[batch.indices == batch.indices[0]] = 100.0
+    buffer.update_priorities(batch.indices, batch.generations, priorities)
+    counts = np.bincount(buffer.sample(1000).indices, minlength=20)
+    assert counts[batch.indices[0]] > 900
+    # Overwrite the segment, then an update with old generations must not change anything.
+    buffer.add(segment(10))
+    buffer.add(segment(10))
+    before = buffer._arrays["priority"].copy()
+    buffer.update_priorities(batch.indices, batch.generations, np.full(10, 5.0))
+    np.testing.assert_array_equal(before, buffer._arrays["priority"])
+
+
+def test_snapshot_roundtrip(tmp_path):
+    cfg = ReplayConfig(capacity=50, unroll_steps=2, td_steps=2, min_size=0)
+    buffer = ReplayBuffer(cfg, seed=3)
+    for i in range(3):
+        buffer.add(segment(7, start_value=i))
+    buffer.snapshot(tmp_path / "replay.npz")
+    restored = ReplayBuffer(cfg, seed=3)
+    restored.restore(tmp_path / "replay.npz")
+    assert restored.stats() == buffer.stats()
+    for name, array in buffer._arrays.items():
+        np.testing.assert_array_equal(array, restored._arrays[name])
+    assert not (tmp_path / "replay.npz.tmp").exists()
+
+
+def test_bad_segments_are_rejected():
+    buffer = ReplayBuffer(ReplayConfig(capacity=10, min_size=0))
+    with pytest.raises(ValueError, match="exceeds replay.capacity=10"):
+        buffer.add(segment(11))
+    bad = segment(5)._replace(rewards=np.ones(4, dtype=np.float32))
+    with pytest.raises(ValueError, match="rewards has 4 steps"):
+        buffer.add(bad)
+    with pytest.raises(ValueError, match="empty"):
+        buffer.sample(4)
