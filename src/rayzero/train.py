@@ -128,6 +128,7 @@ class Driver:
         ray.get([handles.learner.save.remote(str(staging)),
                  handles.replay.snapshot.remote(str(staging / "replay.npz"))])
         counters = ray.get(handles.learner.counters.remote())
+        self.learner_steps = counters["learner_steps"]
         state = {
             "env_steps": self.env_steps, "learner_steps": counters["learner_steps"], "version": counters["version"],
             "episodes": self.episodes, "wall_seconds": self.wall_before + time.perf_counter() - self.start,
@@ -152,11 +153,15 @@ class Driver:
         print(f"rayzero: Ray {how}, resources {ray.cluster_resources()}", flush=True)
         self.start = time.perf_counter()
         handles = cluster.build(config, self.spec)
+        self.env_steps_at_start, self.learner_steps_at_start = self.env_steps, self.learner_steps
+        self.replay_at_start = {"size": 0, "total_added": 0}
         if checkpoint is not None:
             ray.get([handles.learner.load.remote(str(checkpoint)),
                      handles.replay.restore.remote(str(checkpoint / "replay.npz"))])
+            self.replay_at_start = ray.get(handles.replay.stats.remote())
             print(f"rayzero: resumed from {checkpoint} at env_steps={self.env_steps} "
-                  f"learner_steps={self.learner_steps}", flush=True)
+                  f"learner_steps={self.learner_steps}, replay {self.replay_at_start['size']} transitions", flush=True)
+        self.replay_transitions = self.replay_at_start["total_added"]
         log = MetricsLog(run_dir)
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
@@ -204,16 +209,19 @@ class Driver:
             if self.stop_reason:
                 break
             learner_samples = self.learner_steps * learner_cfg.batch_size
-            target = learner_cfg.replay_ratio * self.env_steps
-            # Schedule self-play while the learner keeps up.
+            # Ratio of learner samples to transitions that reached replay (env steps still in an actor's
+            # segment buffer cannot be trained on yet).
+            target = learner_cfg.replay_ratio * self.replay_transitions
+            learner_ready = self.replay_transitions >= max(1, replay_cfg.min_size)
+            # Schedule self-play while the learner keeps up (always, until replay can feed the learner).
             temperature = temperature_at(run.temperature_schedule, self.learner_steps)
             for i, actor in enumerate(handles.selfplay):
-                if not busy_actor[i] and (self.env_steps < replay_cfg.min_size or target <= learner_samples + slack):
+                if not busy_actor[i] and (not learner_ready or target <= learner_samples + slack):
                     ref = actor.collect.remote(run.selfplay_steps_per_call, temperature, weights)
                     pending[ref] = ("collect", i)
                     busy_actor[i] = True
             # Schedule the learner while it is behind.
-            if not learner_busy and self.env_steps >= replay_cfg.min_size and learner_samples < target + samples_per_call:
+            if not learner_busy and learner_ready and learner_samples < target + samples_per_call:
                 pending[handles.learner.train.remote(handles.replay, learner_cfg.steps_per_call)] = ("learn", 0)
                 learner_busy = True
             if not eval_busy and now >= next_eval and self.learner_steps > 0:
@@ -236,6 +244,7 @@ class Driver:
                               flush=True)
                         continue
                     self.env_steps += result["env_steps"]
+                    self.replay_transitions += result["transitions_sent"]
                     self.episodes += len(result["episode_returns"])
                     self.train_returns.extend(result["episode_returns"])
                 elif kind == "learn":
@@ -314,6 +323,7 @@ class Driver:
                                                                run.seed + 10_000))
             self._record_eval(result, log)
         path = self.save_checkpoint(handles)
+        replay_stats = ray.get(handles.replay.stats.remote())
         wall = self.wall_before + time.perf_counter() - self.start
         summary = {
             "env_id": self.config.env.id,
@@ -329,6 +339,12 @@ class Driver:
             "weights_version": version,
             "checkpoint": str(path),
             "stop_reason": self.stop_reason,
+            "env_steps_this_run": self.env_steps - self.env_steps_at_start,
+            "learner_steps_this_run": self.learner_steps - self.learner_steps_at_start,
+            "replay_size": replay_stats["size"],
+            "replay_total_added": replay_stats["total_added"],
+            "replay_size_at_start": self.replay_at_start["size"],
+            "replay_total_added_at_start": self.replay_at_start["total_added"],
             "seed": run.seed,
         }
         tmp = self.run_dir / "summary.json.tmp"

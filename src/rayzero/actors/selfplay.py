@@ -127,8 +127,10 @@ class SelfPlayWorker:
         returns: list[float] = []
         lengths: list[int] = []
         pending = []
+        sent = 0
         for _ in range(num_steps):
             for segment in self.step(temperature):
+                sent += segment.num_sampleable
                 if self.sink is not None:
                     pending.append(self.sink(segment))
             returns.extend(self._last_episodes[0])
@@ -139,6 +141,7 @@ class SelfPlayWorker:
             ray.get(pending)
         return {
             "env_steps": num_steps * self.num_envs,
+            "transitions_sent": sent,
             "episode_returns": returns,
             "episode_lengths": lengths,
             "version": self.version,

@@ -54,7 +54,6 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.steps = 0
         self.version = 0
         self.samples = 0
@@ -75,7 +74,9 @@ class Learner:
         for name, value in batch._asdict().items():
             if name in ("indices", "generations"):
                 continue
-            tensor = torch.from_numpy(np.ascontiguousarray(value))
+            # Arrays from Ray's object store are read-only views; torch needs writable memory.
+            array = np.ascontiguousarray(value)
+            tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
             if pin:
                 tensor = tensor.pin_memory()
             out[name] = tensor.to(self.device, non_blocking=True)
@@ -89,6 +90,9 @@ class Learner:
             out = muzero_loss(self.model, tensors, self.cfg.value_loss_weight)
         if not torch.isfinite(out.loss):
             raise FloatingPointError(f"learner step {self.steps}: loss is {out.loss.item()}")
+        lr = self.cfg.lr * self._lr_factor(self.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = (
@@ -97,7 +101,6 @@ class Learner:
             else torch.zeros(())
         )
         self.optimizer.step()
-        self.scheduler.step()
         self.steps += 1
         self.samples += len(batch.indices)
         metrics = {
@@ -106,7 +109,7 @@ class Learner:
             "value_loss": out.value_loss.item(),
             "reward_loss": out.reward_loss.item(),
             "grad_norm": float(grad_norm),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
         }
         return metrics, out.priorities.float().cpu().numpy() + 1e-6
 
@@ -146,8 +149,7 @@ class Learner:
         state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
         save_file(state, str(path / "model.safetensors"))
         torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-             "counters": self.counters(), "rng": torch.get_rng_state()},
+            {"optimizer": self.optimizer.state_dict(), "counters": self.counters(), "rng": torch.get_rng_state()},
             path / "optimizer.pt",
         )
 
@@ -160,7 +162,6 @@ class Learner:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {error}") from None
         self.model.load_state_dict(state)
         self.optimizer.load_state_dict(extra["optimizer"])
-        self.scheduler.load_state_dict(extra["scheduler"])
         self.steps = int(extra["counters"]["learner_steps"])
         self.version = int(extra["counters"]["version"])
         self.samples = int(extra["counters"]["samples"])

@@ -1,0 +1,393 @@
+"""Benchmark of the batched tree search (rayzero.tree): simulations/s and ms/search, eager and CUDA graph,
+and the same settings in DeepMind's mctx (JAX) when `mctx` and `jax` import.
+
+Rows: batch B x simulations n x network ("none": a cheap elementwise recurrent_fn with a 4-float embedding;
+"mlp256": embedding [B, 256] -> 2-layer 256-wide ReLU MLP (action one-hot appended) -> reward / value /
+logits heads) x policy (muzero, gumbel) x mode (eager; graph = one CUDA graph per search, CUDA only),
+A = 18 actions. Full run: B in {1, 256, 1024, 4096}, n in {50, 200} (B=4096 with 200 simulations only
+for muzero/none to bound the run); mctx on the rows that matter for comparison (50 simulations at B = 1,
+1024, 4096, and muzero 200 simulations at B = 1024 with mlp256). --quick: B in {1, 16}, 10 simulations, CPU
+friendly.
+
+Run: `python -m rayzero.bench.tree [--quick] [--json PATH]` (or `rayzero bench tree`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # keep JAX from taking the GPU's memory
+
+import torch  # noqa: E402
+
+from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, search, tree_nbytes  # noqa: E402
+
+A = 18
+EMB_NONE = 4
+HIDDEN = 256
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(i: int, o: int) -> torch.Tensor:
+        return torch.randn(i, o, generator=g) / i**0.5
+
+    return {"w1": w(HIDDEN + A, HIDDEN), "w2": w(HIDDEN, HIDDEN), "w3": w(HIDDEN, A + 2)}
+
+
+def torch_model(net: str, device: torch.device, weights: dict[str, torch.Tensor]) -> Callable:
+    """recurrent_fn of the benchmark's network case, in torch."""
+    if net == "none":
+
+        def none_fn(action: torch.Tensor, emb: torch.Tensor):
+            a = action.to(torch.float32)
+            nxt = emb + 0.01 * a.unsqueeze(-1)
+            value = torch.sin(nxt[:, 0] * 3.0 + a)
+            logits = torch.cos(nxt[:, 1:2] + 0.3 * torch.arange(A, device=device, dtype=torch.float32))
+            return RecurrentOutput(0.1 * value, torch.full_like(value, 0.99), logits, value), nxt
+
+        return none_fn
+    w1, w2, w3 = (weights[k].to(device) for k in ("w1", "w2", "w3"))
+    eye = torch.eye(A, device=device)
+
+    @torch.no_grad()
+    def mlp_fn(action: torch.Tensor, emb: torch.Tensor):
+        h = torch.relu(torch.cat([emb, eye[action]], 1) @ w1)
+        h = torch.relu(h @ w2)
+        o = h @ w3
+        return RecurrentOutput(o[:, 0], torch.full_like(o[:, 0], 0.99), o[:, 2:], torch.tanh(o[:, 1])), h
+
+    return mlp_fn
+
+
+def torch_root(net: str, B: int, device: torch.device, seed: int = 0) -> RootOutput:
+    g = torch.Generator().manual_seed(seed)
+    d = EMB_NONE if net == "none" else HIDDEN
+    return RootOutput(
+        torch.randn(B, A, generator=g).to(device),
+        torch.randn(B, generator=g).to(device),
+        torch.randn(B, d, generator=g).to(device),
+    )
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, reps: int, budget_s: float) -> float:
+    """Mean seconds per call of fn (after one warm-up call), reps calls or fewer if the budget runs out."""
+    fn()
+    _sync(device)
+    if device.type == "cuda":
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000.0)
+            if sum(times) > budget_s:
+                break
+        return sum(times) / len(times)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if sum(times) > budget_s:
+            break
+    return sum(times) / len(times)
+
+
+def bench_ours(
+    net: str, policy: str, B: int, n: int, mode: str, device: torch.device, weights: dict, reps: int, budget_s: float
+) -> dict[str, Any]:
+    config = SearchConfig(policy=policy, num_simulations=n)
+    fn = torch_model(net, device, weights)
+    root = torch_root(net, B, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    if mode == "graph":
+        from rayzero.tree.capture import CapturedSearch
+
+        t0 = time.perf_counter()
+        captured = CapturedSearch(fn, root, n, config)
+        capture_s = time.perf_counter() - t0
+
+        def call() -> Any:
+            return captured(root, generator=gen)
+
+        out = call()
+    else:
+        capture_s = None
+
+        def call() -> Any:
+            return search(root, fn, n, config, generator=gen)
+
+        out = call()
+    sec = _time(call, device, reps, budget_s)
+    _sync(device)
+    row = _row("rayzero", net, policy, B, n, mode, sec)
+    row["tree_bytes_per_tree"] = tree_nbytes(out.tree)
+    if capture_s is not None:
+        row["capture_s"] = round(capture_s, 3)
+    return row
+
+
+def _row(impl: str, net: str, policy: str, B: int, n: int, mode: str, sec: float) -> dict[str, Any]:
+    return {
+        "impl": impl,
+        "net": net,
+        "policy": policy,
+        "batch": B,
+        "num_simulations": n,
+        "num_actions": A,
+        "mode": mode,
+        "ms_per_search": round(sec * 1000.0, 4),
+        "simulations_per_s": round(B * n / sec, 1),
+    }
+
+
+# -------------------------------------------------------------------------------------------- mctx
+
+
+def _mctx_modules() -> tuple[Any, Any, Any] | None:
+    try:
+        import jax
+        import jax.numpy as jnp
+        import mctx
+    except Exception:  # not installed, or broken
+        return None
+    return jax, jnp, mctx
+
+
+def bench_mctx(net: str, policy: str, B: int, n: int, weights: dict, reps: int, budget_s: float) -> dict[str, Any]:
+    jax, jnp, mctx = _mctx_modules()  # type: ignore[misc]
+    params = {k: jnp.asarray(v.numpy()) for k, v in weights.items()}
+
+    def recurrent_fn(params, rng_key, action, emb):
+        if net == "none":
+            a = action.astype(jnp.float32)
+            nxt = emb + 0.01 * a[:, None]
+            value = jnp.sin(nxt[:, 0] * 3.0 + a)
+            logits = jnp.cos(nxt[:, 1:2] + 0.3 * jnp.arange(A, dtype=jnp.float32))
+            out = mctx.RecurrentFnOutput(
+                reward=0.1 * value, discount=jnp.full_like(value, 0.99), prior_logits=logits, value=value
+            )
+            return out, nxt
+        h = jax.nn.relu(jnp.concatenate([emb, jax.nn.one_hot(action, A)], 1) @ params["w1"])
+        h = jax.nn.relu(h @ params["w2"])
+        o = h @ params["w3"]
+        out = mctx.RecurrentFnOutput(
+            reward=o[:, 0], discount=jnp.full_like(o[:, 0], 0.99), prior_logits=o[:, 2:], value=jnp.tanh(o[:, 1])
+        )
+        return out, h
+
+    r = torch_root(net, B, torch.device("cpu"))
+    root = mctx.RootFnOutput(
+        prior_logits=jnp.asarray(r.prior_logits.numpy()),
+        value=jnp.asarray(r.value.numpy()),
+        embedding=jnp.asarray(r.embedding.numpy()),
+    )
+    if policy == "muzero":
+
+        def run(params, key, root):
+            return mctx.muzero_policy(
+                params, key, root, recurrent_fn, num_simulations=n, dirichlet_fraction=0.25,
+                dirichlet_alpha=0.3, pb_c_init=1.25, pb_c_base=19652.0, temperature=1.0,
+            )
+    else:
+
+        def run(params, key, root):
+            return mctx.gumbel_muzero_policy(
+                params, key, root, recurrent_fn, num_simulations=n, max_num_considered_actions=16,
+                gumbel_scale=1.0,
+            )
+
+    jitted = jax.jit(run)
+    key = jax.random.PRNGKey(0)
+    t0 = time.perf_counter()
+    jax.block_until_ready(jitted(params, key, root))
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(jitted(params, key, root))
+    times = []
+    for i in range(reps):
+        k = jax.random.fold_in(key, i)
+        t0 = time.perf_counter()
+        jax.block_until_ready(jitted(params, k, root))
+        times.append(time.perf_counter() - t0)
+        if sum(times) > budget_s:
+            break
+    row = _row("mctx", net, policy, B, n, "jit", sum(times) / len(times))
+    row["compile_s"] = round(compile_s, 2)
+    return row
+
+
+# -------------------------------------------------------------------------------------------- main
+
+
+def _versions() -> dict[str, Any]:
+    v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "jax", "mctx"):
+        try:
+            mod = __import__(name)
+            v[name] = getattr(mod, "__version__", "unknown")
+        except Exception:
+            v[name] = None
+    return v
+
+
+def _machine(device: torch.device) -> dict[str, Any]:
+    m: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+    return m
+
+
+def _plan(quick: bool, cuda: bool) -> tuple[list[tuple], list[tuple]]:
+    """(ours, mctx) row keys: (net, policy, B, n, mode) and (net, policy, B, n)."""
+    nets, policies = ("none", "mlp256"), ("muzero", "gumbel")
+    modes = ("eager", "graph") if cuda else ("eager",)
+    if quick:
+        ours = [(net, p, B, 10, m) for net in nets for p in policies for B in (1, 16) for m in modes]
+        theirs = [(net, p, B, 10) for net in nets for p in policies for B in (1, 16)]
+        return ours, theirs
+    ours = []
+    for net in nets:
+        for p in policies:
+            for B in (1, 256, 1024, 4096):
+                for n in (50, 200):
+                    if B == 4096 and n == 200 and not (net == "none" and p == "muzero"):
+                        continue
+                    if not cuda and B * n > 256 * 50:  # the CPU full run keeps to moderate sizes
+                        continue
+                    for m in modes:
+                        ours.append((net, p, B, n, m))
+    theirs = [(net, p, B, 50) for net in nets for p in policies for B in (1, 1024, 4096)]
+    theirs.append(("mlp256", "muzero", 1024, 200))
+    if not cuda:
+        theirs = [t for t in theirs if t[2] * t[3] <= 256 * 50]
+    return ours, theirs
+
+
+def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
+    """Run the benchmark, print a table, write JSON to json_path (if given); returns the report."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    weights = _weights()
+    reps, budget = (3, 2.0) if quick else (10, 4.0)
+    ours_plan, mctx_plan = _plan(quick, cuda)
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for net, p, B, n, m in ours_plan:
+        try:
+            rows.append(bench_ours(net, p, B, n, m, device, weights, reps, budget))
+            _print_row(rows[-1])
+        except Exception as err:  # keep going: report what failed
+            errors.append(f"rayzero {net} {p} B={B} n={n} {m}: {type(err).__name__}: {err}")
+    if _mctx_modules() is not None:
+        for net, p, B, n in mctx_plan:
+            try:
+                rows.append(bench_mctx(net, p, B, n, weights, reps, budget))
+                _print_row(rows[-1])
+            except Exception as err:
+                errors.append(f"mctx {net} {p} B={B} n={n}: {type(err).__name__}: {err}")
+    else:
+        errors.append("mctx/jax not importable: no mctx rows")
+    ratios = _ratios(rows)
+    report = {
+        "benchmark": "tree",
+        "quick": quick,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "machine": _machine(device),
+        "versions": _versions(),
+        "rows": rows,
+        "ratios": ratios,
+        "errors": errors,
+    }
+    _print_table(rows, ratios, errors)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {json_path}")
+    return report
+
+
+def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ours / mctx ms-per-search ratio (< 1 = we are faster) for every mctx row, eager and graph."""
+    out = []
+    for r in rows:
+        if r["impl"] != "mctx":
+            continue
+        for ours in rows:
+            if ours["impl"] == "rayzero" and all(ours[k] == r[k] for k in ("net", "policy", "batch", "num_simulations")):
+                out.append(
+                    {
+                        "net": r["net"],
+                        "policy": r["policy"],
+                        "batch": r["batch"],
+                        "num_simulations": r["num_simulations"],
+                        "mode": ours["mode"],
+                        "ours_ms": ours["ms_per_search"],
+                        "mctx_ms": r["ms_per_search"],
+                        "ours_over_mctx": round(ours["ms_per_search"] / r["ms_per_search"], 3),
+                    }
+                )
+    return out
+
+
+_HEADER = f"{'impl':8} {'net':7} {'policy':7} {'B':>5} {'sims':>5} {'mode':6} {'ms/search':>10} {'sims/s':>12}"
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(
+        f"{r['impl']:8} {r['net']:7} {r['policy']:7} {r['batch']:5d} {r['num_simulations']:5d} {r['mode']:6} "
+        f"{r['ms_per_search']:10.3f} {r['simulations_per_s']:12.0f}",
+        flush=True,
+    )
+
+
+def _print_table(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], errors: list[str]) -> None:
+    print()
+    print(_HEADER)
+    for r in rows:
+        _print_row(r)
+    if ratios:
+        print("\nours / mctx (ms per search; < 1 = faster)")
+        for q in ratios:
+            print(
+                f"  {q['net']:7} {q['policy']:7} B={q['batch']:5d} n={q['num_simulations']:4d} {q['mode']:6} "
+                f"{q['ours_ms']:9.3f} / {q['mctx_ms']:9.3f} = {q['ours_over_mctx']:.3f}"
+            )
+    for e in errors:
+        print("error:", e, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    main(quick=args.quick, json_path=args.json)

@@ -1,0 +1,401 @@
+"""Fused Triton kernels (CUDA only) for the selection walk and the backup of the batched search.
+
+Shapes: B trees (one Triton program each), N nodes, A actions (one block of BLOCK_A >= A lanes),
+L = path buffer length (num_simulations + 1). This module owns the two kernels and their dispatch:
+
+* `select`: at each root choose an action (MuZero PUCT with the invalid-action mask, or Gumbel MuZero's
+  sequential-halving rule), then walk down while the chosen child exists, scoring each node's children
+  (PUCT, or Gumbel's interior rule), and record the path, its depth and its leaf edge;
+* `expand_backup`: write the new node (network value, reward, discount, parent links, child index),
+  then walk the path back up from it, updating node visits / value sums, the statistics of every edge on
+  the path and (MuZero) the tree's min/max Q.
+
+So a simulation on CUDA is: select kernel, gather of the parents' embeddings, recurrent_fn, softmax of
+its logits (torch, shared with the torch path so the priors are the same bits), expand_backup kernel.
+
+Both compute the same float32 operations in the same order as the torch path (action_selection.py,
+qtransforms.py, search._backup) with fused multiply-add disabled and round-to-nearest division, so MuZero
+visit counts are bit-identical to the torch path's. (The Gumbel interior rule sums over actions and uses
+exp/log, whose last bits may differ from torch's; only a near-exact tie could then pick another action.)
+The kernels are launched with fixed grids and no host synchronisation, so they can be captured in a CUDA
+graph. Set RAYZERO_TREE_TRITON=0 to disable them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from rayzero.tree.tree import DISCOUNT, EDGE_CHANNELS, PRIOR, REWARD, VALUE, VISITS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rayzero.tree.search import _Context
+    from rayzero.tree.tree import Tree
+
+try:  # pragma: no cover - exercised on CUDA hosts only
+    import triton
+    import triton.language as tl
+
+    _TRITON = True
+except Exception:  # ImportError, or a broken install
+    _TRITON = False
+
+
+def triton_importable() -> bool:
+    """Whether triton imports here."""
+    return _TRITON
+
+
+def available(device: torch.device) -> bool:
+    """Whether the fused kernels can run for tensors on `device` (CUDA, triton, not disabled by env)."""
+    return device.type == "cuda" and _TRITON and os.environ.get("RAYZERO_TREE_TRITON", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _block(num_actions: int) -> int:
+    return max(16, 1 << (num_actions - 1).bit_length())
+
+
+if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
+    TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, as qtransforms
+    RESCALE_EPSILON = tl.constexpr(1e-8)  # qtransforms.RESCALE_EPSILON
+    LOW_LOGIT = tl.constexpr(-1e9)  # action_selection.LOW_LOGIT
+
+    @triton.jit
+    def _load_edges(edges_ptr, row, A, offs, amask, C: tl.constexpr, CH: tl.constexpr):
+        """One channel [BLOCK_A] of the edges of node `row` (= b * N + node); 0 on padding lanes."""
+        return tl.load(edges_ptr + row * (C * A) + CH * A + offs, mask=amask, other=0.0)
+
+    @triton.jit
+    def _puct(prior, cvis, q, coef, low, spread):
+        """MuZero PUCT, as action_selection.muzero_scores (same operations, same order)."""
+        qn = tl.where(cvis > 0, tl.div_rn(q - low, spread), 0.0)
+        return qn + tl.div_rn(prior * coef, 1.0 + cvis)
+
+    @triton.jit
+    def _sigma_completed(prior, cvis, q, raw, amask, maxvisit_init, value_scale):
+        """sigma(completed Q) [BLOCK_A] and sum N, as qtransforms.completed_qvalues."""
+        visited = cvis > 0
+        sum_vis = tl.sum(cvis, 0)
+        p = tl.maximum(prior, TINY)
+        sum_p = tl.sum(tl.where(visited, p, 0.0), 0)
+        wq = tl.div_rn(tl.sum(tl.where(visited, p * q, 0.0), 0), tl.maximum(sum_p, TINY))
+        mixed = tl.div_rn(raw + sum_vis * wq, sum_vis + 1.0)
+        completed = tl.where(visited, q, mixed)
+        lo = tl.min(tl.where(amask, completed, float("inf")), 0)
+        hi = tl.max(tl.where(amask, completed, float("-inf")), 0)
+        completed = tl.div_rn(completed - lo, tl.maximum(hi - lo, RESCALE_EPSILON))
+        scale = (maxvisit_init + tl.max(cvis, 0)) * value_scale
+        return scale * completed, sum_vis
+
+    @triton.jit
+    def _select_kernel(
+        edges_ptr,
+        visits_ptr,
+        raw_ptr,
+        children_ptr,
+        coef_ptr,
+        vmin_ptr,
+        vmax_ptr,
+        invalid_ptr,
+        gumbel_ptr,
+        logp_ptr,
+        considered_ptr,
+        considered_stride,
+        path_nodes_ptr,
+        path_actions_ptr,
+        depth_ptr,
+        parent_ptr,
+        action_ptr,
+        flat_parent_ptr,
+        N,
+        A,
+        L,
+        maxvisit_init,
+        value_scale,
+        GUMBEL: tl.constexpr,
+        HAS_INVALID: tl.constexpr,
+        C: tl.constexpr,
+        CH_PRIOR: tl.constexpr,
+        CH_VISITS: tl.constexpr,
+        CH_VALUE: tl.constexpr,
+        CH_REWARD: tl.constexpr,
+        CH_DISCOUNT: tl.constexpr,
+        BLOCK_A: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_A)
+        amask = offs < A
+        if not GUMBEL:  # qtransforms.minmax_bounds
+            vmin = tl.load(vmin_ptr + b)
+            spread = tl.load(vmax_ptr + b) - vmin
+            has_spread = spread > 0
+            low = tl.where(has_spread, vmin, 0.0)
+            spread = tl.where(has_spread, spread, float("inf"))
+        # Root step (search._root_action): invalid actions masked; Gumbel's sequential-halving rule.
+        row = b * N
+        prior = _load_edges(edges_ptr, row, A, offs, amask, C, CH_PRIOR)
+        cvis = _load_edges(edges_ptr, row, A, offs, amask, C, CH_VISITS)
+        cval = _load_edges(edges_ptr, row, A, offs, amask, C, CH_VALUE)
+        crew = _load_edges(edges_ptr, row, A, offs, amask, C, CH_REWARD)
+        cdis = _load_edges(edges_ptr, row, A, offs, amask, C, CH_DISCOUNT)
+        q = crew + cdis * cval
+        if GUMBEL:
+            sigma, sum_vis = _sigma_completed(prior, cvis, q, tl.load(raw_ptr + row), amask, maxvisit_init, value_scale)
+            g = tl.load(gumbel_ptr + b * A + offs, mask=amask, other=0.0)
+            lp = tl.load(logp_ptr + b * A + offs, mask=amask, other=float("-inf"))
+            score = tl.maximum(g + lp + sigma, LOW_LOGIT)
+            considered = tl.load(considered_ptr + b * considered_stride)
+            score = tl.where(cvis == considered, score, float("-inf"))
+        else:
+            coef = tl.load(coef_ptr + tl.load(visits_ptr + row).to(tl.int32))
+            score = _puct(prior, cvis, q, coef, low, spread)
+        if HAS_INVALID:
+            invalid = tl.load(invalid_ptr + b * A + offs, mask=amask, other=1)
+            score = tl.where(invalid != 0, float("-inf"), score)
+        score = tl.where(amask, score, float("-inf"))
+        a = tl.argmax(score, 0, tie_break_left=True).to(tl.int64)
+        node = b * 0
+        tl.store(path_nodes_ptr + b * L, node)
+        tl.store(path_actions_ptr + b * L, a)
+        child = tl.load(children_ptr + row * A + a)
+        depth = node + 1
+        parent = node
+        act = a
+        # Interior steps: walk on while the chosen child exists.
+        while (child != -1) & (depth < L):
+            node = child
+            row = b * N + node
+            prior = _load_edges(edges_ptr, row, A, offs, amask, C, CH_PRIOR)
+            cvis = _load_edges(edges_ptr, row, A, offs, amask, C, CH_VISITS)
+            cval = _load_edges(edges_ptr, row, A, offs, amask, C, CH_VALUE)
+            crew = _load_edges(edges_ptr, row, A, offs, amask, C, CH_REWARD)
+            cdis = _load_edges(edges_ptr, row, A, offs, amask, C, CH_DISCOUNT)
+            q = crew + cdis * cval
+            if GUMBEL:  # action_selection.gumbel_interior_scores
+                sigma, sum_vis = _sigma_completed(
+                    prior, cvis, q, tl.load(raw_ptr + row), amask, maxvisit_init, value_scale
+                )
+                logits = tl.where(amask, tl.log(prior) + sigma, float("-inf"))
+                ex = tl.exp(logits - tl.max(logits, 0))
+                improved = tl.div_rn(ex, tl.sum(ex, 0))
+                score = improved - tl.div_rn(cvis, 1.0 + sum_vis)
+            else:
+                coef = tl.load(coef_ptr + tl.load(visits_ptr + row).to(tl.int32))
+                score = _puct(prior, cvis, q, coef, low, spread)
+            score = tl.where(amask, score, float("-inf"))
+            a = tl.argmax(score, 0, tie_break_left=True).to(tl.int64)
+            tl.store(path_nodes_ptr + b * L + depth, node)
+            tl.store(path_actions_ptr + b * L + depth, a)
+            depth += 1
+            parent = node
+            act = a
+            child = tl.load(children_ptr + row * A + a)
+        tl.store(depth_ptr + b, depth)
+        tl.store(parent_ptr + b, parent)
+        tl.store(action_ptr + b, act)
+        tl.store(flat_parent_ptr + b, b * N + parent)
+
+    @triton.jit
+    def _expand_backup_kernel(
+        edges_ptr,
+        visits_ptr,
+        sums_ptr,
+        raw_ptr,
+        rewards_ptr,
+        discounts_ptr,
+        parents_ptr,
+        afp_ptr,
+        children_ptr,
+        vmin_ptr,
+        vmax_ptr,
+        path_nodes_ptr,
+        path_actions_ptr,
+        depth_ptr,
+        parent_ptr,
+        action_ptr,
+        value_ptr,
+        reward_ptr,
+        discount_ptr,
+        value_stride,
+        reward_stride,
+        discount_stride,
+        leaf,
+        N,
+        A,
+        L,
+        MINMAX: tl.constexpr,
+        C: tl.constexpr,
+        CH_VISITS: tl.constexpr,
+        CH_VALUE: tl.constexpr,
+        CH_REWARD: tl.constexpr,
+        CH_DISCOUNT: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        v = tl.load(value_ptr + b * value_stride)
+        r_leaf = tl.load(reward_ptr + b * reward_stride)
+        d_leaf = tl.load(discount_ptr + b * discount_stride)
+        parent = tl.load(parent_ptr + b)
+        act = tl.load(action_ptr + b)
+        # Expansion (search._expand): the new node `leaf` hangs off edge (parent, act).
+        node_row = b * N + leaf
+        tl.store(raw_ptr + node_row, v)
+        tl.store(rewards_ptr + node_row, r_leaf)
+        tl.store(discounts_ptr + node_row, d_leaf)
+        tl.store(parents_ptr + node_row, parent)
+        tl.store(afp_ptr + node_row, act)
+        tl.store(children_ptr + (b * N + parent) * A + act, node_row - b * N)
+        e = edges_ptr + (b * N + parent) * (C * A) + act
+        tl.store(e + CH_REWARD * A, r_leaf)
+        tl.store(e + CH_DISCOUNT * A, d_leaf)
+        # Backup (search._backup): the new node's first visit, then up the path.
+        cv = tl.load(visits_ptr + node_row) + 1.0
+        cs = tl.load(sums_ptr + node_row) + v
+        tl.store(visits_ptr + node_row, cv)
+        tl.store(sums_ptr + node_row, cs)
+        cval = tl.div_rn(cs, cv)
+        lo = tl.load(vmin_ptr + b)
+        hi = tl.load(vmax_ptr + b)
+        last = tl.load(depth_ptr + b) - 1
+        k = last
+        g = v
+        while k >= 0:
+            p = tl.load(path_nodes_ptr + b * L + k)
+            a = tl.load(path_actions_ptr + b * L + k)
+            e = edges_ptr + (b * N + p) * (C * A) + a
+            # The leaf edge's reward/discount were stored above: use the registers, not a re-read.
+            r = tl.where(k == last, r_leaf, tl.load(e + CH_REWARD * A))
+            d = tl.where(k == last, d_leaf, tl.load(e + CH_DISCOUNT * A))
+            tl.store(e + CH_VISITS * A, cv)
+            tl.store(e + CH_VALUE * A, cval)
+            if MINMAX:
+                qk = r + d * cval
+                lo = tl.minimum(lo, qk)
+                hi = tl.maximum(hi, qk)
+            g = r + d * g
+            cv = tl.load(visits_ptr + b * N + p) + 1.0
+            cs = tl.load(sums_ptr + b * N + p) + g
+            tl.store(visits_ptr + b * N + p, cv)
+            tl.store(sums_ptr + b * N + p, cs)
+            cval = tl.div_rn(cs, cv)
+            k -= 1
+        if MINMAX:
+            tl.store(vmin_ptr + b, lo)
+            tl.store(vmax_ptr + b, hi)
+
+
+class KernelPath:
+    """The fused walk's outputs (buffers reused by every simulation of a search): nodes/actions [B, L],
+    depth [B], the leaf edge (parent, action) [B] and parent's index in the [B * N] node views."""
+
+    __slots__ = ("action", "actions", "depth", "flat_parent", "nodes", "parent")
+
+    def __init__(self, ctx: _Context) -> None:
+        B, L = ctx.B, ctx.num_simulations + 1
+        i64 = {"dtype": torch.int64, "device": ctx.device}
+        self.nodes = torch.zeros((B, L), **i64)
+        self.actions = torch.zeros((B, L), **i64)
+        self.depth = torch.zeros((B,), **i64)
+        self.parent = torch.zeros((B,), **i64)
+        self.action = torch.zeros((B,), **i64)
+        self.flat_parent = torch.zeros((B,), **i64)
+
+
+_CHANNELS = {"C": EDGE_CHANNELS, "CH_VISITS": VISITS, "CH_VALUE": VALUE, "CH_REWARD": REWARD, "CH_DISCOUNT": DISCOUNT}
+
+
+def select(tree: Tree, ctx: _Context, sim: int) -> KernelPath:
+    """Fused selection walk of simulation `sim` (root step included) -> the path buffers of the search."""
+    path = ctx.triton_path
+    if path is None:
+        path = ctx.triton_path = KernelPath(ctx)
+    B, N, A = ctx.B, ctx.N, ctx.A
+    gumbel = ctx.gumbel
+    invalid = ctx.invalid.view(torch.uint8) if ctx.invalid is not None else tree.edges
+    if gumbel:
+        gumbel_noise, logp = ctx.root_gumbel, ctx.root_log_prior
+        considered, considered_stride = ctx.considered[:, sim], ctx.considered.stride(0)
+    else:
+        gumbel_noise = logp = considered = tree.edges  # unused pointers
+        considered_stride = 0
+    _select_kernel[(B,)](
+        tree.edges,
+        tree.node_visits,
+        tree.raw_values,
+        tree.children_index,
+        ctx.coef,
+        tree.value_min,
+        tree.value_max,
+        invalid,
+        gumbel_noise,
+        logp,
+        considered,
+        considered_stride,
+        path.nodes,
+        path.actions,
+        path.depth,
+        path.parent,
+        path.action,
+        path.flat_parent,
+        N,
+        A,
+        path.nodes.shape[1],
+        float(ctx.config.maxvisit_init),
+        float(ctx.config.value_scale),
+        GUMBEL=gumbel,
+        HAS_INVALID=ctx.invalid is not None,
+        CH_PRIOR=PRIOR,
+        BLOCK_A=_block(A),
+        num_warps=1,
+        enable_fp_fusion=False,
+        **_CHANNELS,
+    )
+    return path
+
+
+def expand_backup(
+    tree: Tree,
+    ctx: _Context,
+    path: KernelPath,
+    leaf: int,
+    value: torch.Tensor,
+    reward: torch.Tensor,
+    discount: torch.Tensor,
+) -> None:
+    """Fused expansion of node `leaf` on each tree's path edge and backup of its value [B] (any stride)."""
+    B, N, A = ctx.B, ctx.N, ctx.A
+    _expand_backup_kernel[(B,)](
+        tree.edges,
+        tree.node_visits,
+        tree.value_sums,
+        tree.raw_values,
+        tree.rewards,
+        tree.discounts,
+        tree.parents,
+        tree.action_from_parent,
+        tree.children_index,
+        tree.value_min,
+        tree.value_max,
+        path.nodes,
+        path.actions,
+        path.depth,
+        path.parent,
+        path.action,
+        value,
+        reward,
+        discount,
+        value.stride(0),
+        reward.stride(0),
+        discount.stride(0),
+        leaf,
+        N,
+        A,
+        path.nodes.shape[1],
+        MINMAX=not ctx.gumbel,
+        num_warps=1,
+        enable_fp_fusion=False,
+        **_CHANNELS,
+    )

@@ -1,0 +1,326 @@
+"""Tests of rayzero.envs: specs, same-step autoreset, episode statistics, Atari preprocessing, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rayzero import envs
+from rayzero.config import EnvConfig
+
+
+def _random_actions(rng: np.random.Generator, env: envs.BatchedEnv) -> np.ndarray:
+    return rng.integers(0, env.spec.num_actions, size=env.num_envs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gymnasium (non-ALE) envs
+
+
+def test_cartpole_shapes_and_dtypes() -> None:
+    cfg = EnvConfig(id="CartPole-v1")
+    spec = envs.env_spec(cfg)
+    assert spec == envs.EnvSpec((4,), np.dtype(np.float32), 2, None)
+    with envs.make_vector_env(cfg, 3, seed=0, training=True) as env:
+        assert env.num_envs == 3 and env.spec == spec
+        obs = env.reset()
+        assert obs.shape == (3, 4) and obs.dtype == np.float32
+        res = env.step(np.zeros(3, dtype=np.int64))
+        assert res.obs.shape == (3, 4) and res.obs.dtype == np.float32
+        assert res.reward.shape == (3,) and res.reward.dtype == np.float32
+        assert res.terminated.dtype == np.bool_ and res.truncated.dtype == np.bool_
+        assert res.final_obs is None and res.episode_returns == [] and res.episode_lengths == []
+        with pytest.raises(ValueError, match="shape"):
+            env.step(np.zeros(2, dtype=np.int64))
+
+
+def test_cartpole_same_step_autoreset_and_returns() -> None:
+    cfg = EnvConfig(id="CartPole-v1")
+    with envs.make_vector_env(cfg, 4, seed=1, training=True) as env:
+        env.reset()
+        steps = np.zeros(4, dtype=int)
+        ends = 0
+        # Always pushing left topples the pole within a few dozen steps, again and again.
+        for _ in range(300):
+            res = env.step(np.zeros(4, dtype=np.int64))
+            steps += 1
+            assert not res.truncated.any()
+            if not res.terminated.any():
+                assert res.final_obs is None and res.episode_returns == []
+                continue
+            assert res.final_obs is not None and res.final_obs.shape == (4, 4)
+            ended = np.flatnonzero(res.terminated)
+            for i in ended:
+                x, _, angle, _ = res.final_obs[i]
+                assert abs(x) > 2.4 or abs(angle) > 0.2094  # the terminal state
+                assert np.all(np.abs(res.obs[i]) <= 0.05)  # already the next episode's first observation
+            # CartPole pays 1 per step: the return and the length of each finished episode are its steps.
+            assert res.episode_returns == [float(steps[i]) for i in ended]
+            assert res.episode_lengths == [int(steps[i]) for i in ended]
+            steps[ended] = 0
+            ends += len(ended)
+        assert ends >= 8
+
+
+def test_cartpole_truncation() -> None:
+    cfg = EnvConfig(id="CartPole-v1", max_episode_steps=5)
+    with envs.make_vector_env(cfg, 2, seed=0, training=False) as env:
+        prev = env.reset()
+        for t in range(5):
+            res = env.step(np.full(2, t % 2, dtype=np.int64))  # alternate: the pole stays up
+            if t < 4:
+                assert not (res.terminated | res.truncated).any()
+                prev = res.obs
+        assert res.truncated.all() and not res.terminated.any()
+        assert res.episode_returns == [5.0, 5.0] and res.episode_lengths == [5, 5]
+        assert res.final_obs is not None and not np.array_equal(res.final_obs, res.obs)
+        assert not np.array_equal(res.final_obs, prev)
+
+
+def test_cartpole_seeding_is_reproducible() -> None:
+    cfg = EnvConfig(id="CartPole-v1")
+
+    def rollout(seed: int) -> np.ndarray:
+        with envs.make_vector_env(cfg, 4, seed=seed, training=True) as env:
+            rng = np.random.default_rng(0)
+            frames = [env.reset()]
+            for _ in range(60):
+                frames.append(env.step(_random_actions(rng, env)).obs)
+            frames.append(env.reset(seed=seed))  # an explicit seed reseeds like the construction seed
+            return np.stack(frames)
+
+    a, b, c = rollout(7), rollout(7), rollout(8)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a[0], a[-1])
+    assert not np.array_equal(a[0], c[0])
+    # Distinct envs of one batch are seeded differently.
+    assert len({tuple(row) for row in a[0]}) == 4
+
+
+def test_discrete_observations_become_one_hot() -> None:
+    cfg = EnvConfig(id="FrozenLake-v1")
+    spec = envs.env_spec(cfg)
+    assert spec.observation_shape == (16,) and spec.observation_dtype == np.float32 and spec.num_actions == 4
+    with envs.make_vector_env(cfg, 2, seed=0, training=True) as env:
+        obs = env.reset()
+        np.testing.assert_array_equal(obs, np.eye(16, dtype=np.float32)[[0, 0]])
+
+
+def test_non_discrete_action_space_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"Pendulum-v1.*Box"):
+        envs.make_vector_env(EnvConfig(id="Pendulum-v1"), 2, seed=0, training=True)
+
+
+@pytest.mark.parametrize(
+    ("env_id", "suggestion"),
+    [("CartPol-v1", "CartPole-v1"), ("ALE/Pongg-v5", "ALE/Pong-v5"), ("ALE/pong-v5", "ALE/Pong-v5"),
+     ("ALE/NoSuchGame-v5", "ALE/Breakout-v5"), ("PongNoFrameskip-v4", "ALE/Pong-v5")],
+)
+def test_unknown_ids_fail_with_one_line(env_id: str, suggestion: str) -> None:
+    cfg = EnvConfig(id=env_id)
+    for make in (envs.env_spec, lambda c: envs.make_vector_env(c, 1, seed=0, training=True),
+                 lambda c: envs.make_render_env(c, seed=0)):
+        with pytest.raises(ValueError) as info:
+            make(cfg)
+        message = str(info.value)
+        assert env_id in message and suggestion in message and "\n" not in message
+
+
+def test_cartpole_render_env_matches_spec() -> None:
+    cfg = EnvConfig(id="CartPole-v1")
+    env = envs.make_render_env(cfg, seed=0)
+    obs, _ = env.reset()
+    spec = envs.env_spec(cfg)
+    assert obs.shape == spec.observation_shape and obs.dtype == spec.observation_dtype
+    assert env.observation_space.shape == spec.observation_shape
+    obs, *_ = env.step(0)
+    assert obs.shape == spec.observation_shape and obs.dtype == spec.observation_dtype
+    pytest.importorskip("pygame")  # CartPole draws with pygame, which is optional
+    frame = env.render()
+    assert frame.ndim == 3 and frame.shape[-1] == 3 and frame.dtype == np.uint8
+    env.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Atari (ALE native vector env)
+
+
+@pytest.mark.parametrize(
+    ("grayscale", "size", "full", "shape", "actions"),
+    [
+        (False, 96, False, (12, 96, 96), 6),
+        (True, 84, False, (4, 84, 84), 6),
+        (True, 84, True, (4, 84, 84), 18),
+    ],
+)
+def test_pong_spec_and_random_steps(grayscale: bool, size: int, full: bool, shape: tuple[int, ...],
+                                    actions: int) -> None:
+    cfg = EnvConfig(id="ALE/Pong-v5", grayscale=grayscale, image_size=size, full_action_space=full)
+    spec = envs.env_spec(cfg)
+    assert spec.observation_shape == shape and spec.observation_dtype == np.uint8
+    assert spec.num_actions == actions and spec.action_meanings is not None
+    assert len(spec.action_meanings) == actions and spec.action_meanings[0] == "NOOP"
+    with envs.make_vector_env(cfg, 4, seed=0, training=True) as env:
+        obs = env.reset()
+        assert obs.shape == (4, *shape) and obs.dtype == np.uint8
+        # The stack is zero-padded after a reset: only the newest frame is drawn.
+        channels = 1 if grayscale else 3
+        assert not obs[:, :-channels].any() and obs[:, -channels:].any(axis=(1, 2, 3)).all()
+        rng = np.random.default_rng(0)
+        for _ in range(300):
+            res = env.step(_random_actions(rng, env))
+            assert res.obs.shape == (4, *shape) and res.obs.dtype == np.uint8
+            assert res.reward.dtype == np.float32 and set(np.unique(res.reward)) <= {-1.0, 0.0, 1.0}
+        assert res.obs[:, :-channels].any()  # the stack has filled up
+
+
+def test_atari_render_env_matches_vector_env_exactly() -> None:
+    # Without no-ops and sticky actions both pipelines see the same frames; this pins the shape, dtype,
+    # channel order (frames oldest first, R G B within a frame) and every preprocessing step.
+    cfg = EnvConfig(id="ALE/Pong-v5", noop_max=0, sticky_action_prob=0.0)
+    spec = envs.env_spec(cfg)
+    single = envs.make_render_env(cfg, seed=0)
+    with envs.make_vector_env(cfg, 1, seed=0, training=False) as env:
+        batched = env.reset()
+        obs, _ = single.reset()
+        assert obs.shape == spec.observation_shape and obs.dtype == spec.observation_dtype
+        assert single.observation_space.shape == spec.observation_shape
+        assert single.action_space.n == spec.num_actions
+        np.testing.assert_array_equal(obs, batched[0])
+        rng = np.random.default_rng(0)
+        for _ in range(120):
+            action = int(rng.integers(spec.num_actions))
+            res = env.step(np.array([action]))
+            obs, reward, terminated, _, _ = single.step(action)
+            assert abs(obs.astype(int) - res.obs[0].astype(int)).max() <= 1
+            assert reward == res.reward[0] and terminated == res.terminated[0]
+    frame = single.render()
+    assert frame.shape == (210, 160, 3) and frame.dtype == np.uint8 and frame.any()
+    # The newest frame of the observation is the screen, resized.
+    newest = obs[-3:].transpose(1, 2, 0).astype(float)
+    assert abs(newest.mean(axis=(0, 1)) - frame.astype(float).mean(axis=(0, 1))).max() < 8
+    single.close()
+
+
+def test_atari_render_env_grayscale_shape() -> None:
+    cfg = EnvConfig(id="ALE/Breakout-v5", grayscale=True, image_size=84)
+    env = envs.make_render_env(cfg, seed=3)
+    obs, _ = env.reset()
+    assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8
+    obs, *_ = env.step(1)
+    assert obs.shape == (4, 84, 84) and env.render().shape == (210, 160, 3)
+    env.close()
+
+
+def test_breakout_episodic_life_in_training_reports_whole_games() -> None:
+    cfg = EnvConfig(id="ALE/Breakout-v5", grayscale=True, image_size=84, episodic_life=True)
+    rng = np.random.default_rng(0)
+    game_return = np.zeros(2)
+    game_length = np.zeros(2, dtype=int)
+    life_losses = np.zeros(2, dtype=int)
+    finished: list[tuple[int, float, int, int]] = []  # (env, return, length, life losses before game over)
+    with envs.make_vector_env(cfg, 2, seed=0, training=True) as env:
+        env.reset()
+        for _ in range(5000):
+            res = env.step(_random_actions(rng, env))
+            game_return += res.reward  # unclipped: clip_rewards is off
+            game_length += 1
+            done = res.terminated | res.truncated
+            if res.final_obs is not None:
+                assert done.any()
+            returns = iter(zip(res.episode_returns, res.episode_lengths))
+            for i in np.flatnonzero(done):
+                # A lost life keeps the game going: the last observation of the episode is the current one.
+                if np.array_equal(res.final_obs[i], res.obs[i]):
+                    life_losses[i] += 1
+                    continue
+                ret, length = next(returns)
+                finished.append((int(i), ret, length, int(life_losses[i])))
+                assert ret == game_return[i] and length == game_length[i]
+                game_return[i], game_length[i], life_losses[i] = 0.0, 0, 0
+            assert next(returns, None) is None
+            if len(finished) >= 2:
+                break
+    assert len(finished) >= 2
+    for _, _, length, losses in finished:
+        # Breakout has 5 lives: 4 lost lives end episodes for training, the 5th is the game over.
+        assert losses == 4 and length > 50
+
+
+def test_breakout_evaluation_never_uses_episodic_life_or_clipping() -> None:
+    cfg = EnvConfig(id="ALE/Breakout-v5", grayscale=True, image_size=84, episodic_life=True,
+                    clip_rewards=True)
+    rng = np.random.default_rng(1)
+    with envs.make_vector_env(cfg, 2, seed=0, training=False) as env:
+        env.reset()
+        games = 0
+        for _ in range(5000):
+            res = env.step(_random_actions(rng, env))
+            # Every termination is a game over, reported with its return.
+            assert len(res.episode_returns) == int((res.terminated | res.truncated).sum())
+            games += len(res.episode_returns)
+            if games >= 1:
+                break
+        assert games >= 1
+
+
+def test_atari_reward_clipping_truncation_and_raw_returns() -> None:
+    # MsPacman pays 10 per pellet: clipped rewards are 1 while the reported returns stay raw.
+    base = EnvConfig(id="ALE/MsPacman-v5", grayscale=True, image_size=84, max_episode_steps=150,
+                     episodic_life=False)
+    for training, clip in ((True, True), (False, True), (True, False)):
+        cfg = dataclasses.replace(base, clip_rewards=clip)
+        rng = np.random.default_rng(0)
+        with envs.make_vector_env(cfg, 2, seed=0, training=training) as env:
+            prev = env.reset()
+            total = np.zeros(2)
+            for t in range(150):
+                res = env.step(_random_actions(rng, env))
+                total += res.reward
+                if t < 149:
+                    assert not (res.terminated | res.truncated).any()
+                    prev = res.obs
+        assert res.truncated.all() and not res.terminated.any()
+        assert res.episode_lengths == [150, 150]
+        assert res.final_obs is not None
+        # The final observation continues the previous stack; obs is the next game's first (zero-padded).
+        np.testing.assert_array_equal(res.final_obs[:, :-1], prev[:, 1:])
+        assert not res.obs[:, :-1].any()
+        if training and clip:
+            assert set(np.unique(res.reward)) <= {0.0, 1.0} and total.max() > 0
+            # Every MsPacman reward is at least 10: the raw return is at least 10 per rewarded step.
+            for raw, clipped in zip(res.episode_returns, total):
+                assert raw >= 10 * clipped
+        else:
+            assert max(res.episode_returns) > 0 and res.episode_returns == total.tolist()
+
+
+def test_atari_seeding_is_reproducible() -> None:
+    cfg = EnvConfig(id="ALE/Breakout-v5", grayscale=True, image_size=84)  # sticky actions and no-ops on
+
+    def rollout(seed: int) -> tuple[np.ndarray, np.ndarray]:
+        with envs.make_vector_env(cfg, 2, seed=seed, training=True) as env:
+            rng = np.random.default_rng(0)
+            frames, rewards = [env.reset()], []
+            for _ in range(100):
+                res = env.step(_random_actions(rng, env))
+                frames.append(res.obs)
+                rewards.append(res.reward)
+            return np.stack(frames), np.stack(rewards)
+
+    (fa, ra), (fb, rb), (fc, _) = rollout(5), rollout(5), rollout(6)
+    np.testing.assert_array_equal(fa, fb)
+    np.testing.assert_array_equal(ra, rb)
+    assert not np.array_equal(fa, fc)
+
+
+def test_env_spec_is_cached_and_matches_vector_env() -> None:
+    for cfg in (EnvConfig(id="CartPole-v1"), EnvConfig(id="ALE/Breakout-v5", full_action_space=True)):
+        spec = envs.env_spec(cfg)
+        assert envs.env_spec(dataclasses.replace(cfg)) is spec
+        with envs.make_vector_env(cfg, 2, seed=0, training=False) as env:
+            obs = env.reset()
+            assert env.spec == spec
+            assert obs.shape[1:] == spec.observation_shape and obs.dtype == spec.observation_dtype
