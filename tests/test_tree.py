@@ -23,7 +23,7 @@ from rayzero.tree import (
 from rayzero.tree.noise import sample_dirichlet, sample_log_gamma
 from rayzero.tree.seq_halving import considered_visits
 
-NO_NOISE = dict(dirichlet_fraction=0.0, temperature=0.0)
+NO_NOISE = {"dirichlet_fraction": 0.0, "temperature": 0.0}
 
 # ------------------------------------------------------------------------------------------ models
 
@@ -35,7 +35,10 @@ def bandit_fn(rewards: list[float], num_actions: int):
     def fn(action: torch.Tensor, emb: torch.Tensor):
         n = action.shape[0]
         out = RecurrentOutput(
-            reward=r[action], discount=torch.zeros(n), prior_logits=torch.zeros(n, num_actions), value=torch.zeros(n)
+            reward=r[action],
+            discount=torch.zeros(n),
+            prior_logits=torch.zeros(n, num_actions),
+            value=torch.zeros(n),
         )
         return out, emb
 
@@ -89,7 +92,9 @@ def hash_root(batch: int, num_actions: int, seed: int = 0, device: str = "cpu") 
 
 
 class _Node:
-    def __init__(self, prior: list[float], emb: torch.Tensor, raw: float, reward: float = 0.0, discount: float = 0.0):
+    def __init__(
+        self, prior: list[float], emb: torch.Tensor, raw: float, reward: float = 0.0, discount: float = 0.0
+    ):
         self.prior, self.emb, self.raw, self.reward, self.discount = prior, emb, raw, reward, discount
         self.children: dict[int, _Node] = {}
         self.visits, self.value_sum = 0, 0.0
@@ -122,7 +127,9 @@ def _completed(node: _Node, A: int, cfg: SearchConfig) -> list[float]:
     return [(cfg.maxvisit_init + max(visits)) * cfg.value_scale * v for v in c]
 
 
-def reference_search(root: RootOutput, fn, n: int, cfg: SearchConfig, invalid: list[bool] | None = None, gumbel=None):
+def reference_search(
+    root: RootOutput, fn, n: int, cfg: SearchConfig, invalid: list[bool] | None = None, gumbel=None
+):
     """Scalar float64 MuZero / Gumbel MuZero on the first root of `root` (B = 1): (visits, root value, weights)."""
     A = root.prior_logits.shape[1]
     invalid = invalid or [False] * A
@@ -176,8 +183,13 @@ def reference_search(root: RootOutput, fn, n: int, cfg: SearchConfig, invalid: l
             node = node.children[a]
             path.append(node)
         out, emb = fn(torch.tensor([a]), node.emb)
-        child = _Node(_softmax(out.prior_logits[0].tolist()), emb, float(out.value[0]), float(out.reward[0]),
-                      float(out.discount[0]))
+        child = _Node(
+            _softmax(out.prior_logits[0].tolist()),
+            emb,
+            float(out.value[0]),
+            float(out.reward[0]),
+            float(out.discount[0]),
+        )
         node.children[a] = child
         path.append(child)
         ret = child.raw
@@ -240,7 +252,9 @@ def test_two_step_model_needs_depth():
     def fn(action, emb):
         state = emb[:, 0]  # 0 root, 1 after a0, 2 after a1, 3 done
         n = action.shape[0]
-        reward = torch.where(state == 0, torch.where(action == 1, 0.6, 0.0), torch.where(state == 1, 1.0, 0.0))
+        reward = torch.where(
+            state == 0, torch.where(action == 1, 0.6, 0.0), torch.where(state == 1, 1.0, 0.0)
+        )
         nxt = torch.where(state == 0, 1 + action, torch.full_like(state, 3))
         logits = torch.zeros(n, 2)
         return RecurrentOutput(reward, torch.full((n,), 0.9), logits, torch.zeros(n)), nxt.unsqueeze(-1)
@@ -393,12 +407,18 @@ def test_temperature_zero_argmax_and_seeded_sampling():
     first_max = (v == v.amax(-1, keepdim=True)).int().argmax(-1)
     assert out.action.tolist() == first_max.tolist()
     cfg = SearchConfig(temperature=1.0, dirichlet_fraction=0.25)
-    runs = [search(root, hash_model(A), n, cfg, generator=torch.Generator().manual_seed(s)) for s in (11, 11, 12)]
-    assert torch.equal(runs[0].visit_counts, runs[1].visit_counts) and torch.equal(runs[0].action, runs[1].action)
+    runs = [
+        search(root, hash_model(A), n, cfg, generator=torch.Generator().manual_seed(s)) for s in (11, 11, 12)
+    ]
+    assert torch.equal(runs[0].visit_counts, runs[1].visit_counts) and torch.equal(
+        runs[0].action, runs[1].action
+    )
     assert not torch.equal(runs[0].tree.priors[:, ROOT], runs[2].tree.priors[:, ROOT])
     # ties in visit counts go to the lowest action
     fn = bandit_fn([0.5, 0.5, 0.5, 0.5], 4)
-    out = search(RootOutput(torch.zeros(1, 4), torch.zeros(1), torch.zeros(1, 1)), fn, 8, SearchConfig(**NO_NOISE))
+    out = search(
+        RootOutput(torch.zeros(1, 4), torch.zeros(1), torch.zeros(1, 1)), fn, 8, SearchConfig(**NO_NOISE)
+    )
     assert out.visit_counts[0].tolist() == [2, 2, 2, 2] and out.action.item() == 0
 
 
@@ -408,7 +428,13 @@ def test_temperature_sampling_follows_visits():
     fn = bandit_fn([0.1, 0.9, 0.5], A)
     root = RootOutput(torch.zeros(B, A), torch.zeros(B), torch.zeros(B, 1))
     for temp in (1.0, 0.5):
-        out = search(root, fn, 8, SearchConfig(dirichlet_fraction=0.0, temperature=temp), generator=torch.Generator().manual_seed(0))
+        out = search(
+            root,
+            fn,
+            8,
+            SearchConfig(dirichlet_fraction=0.0, temperature=temp),
+            generator=torch.Generator().manual_seed(0),
+        )
         assert out.visit_counts[0].tolist() == [1, 6, 1]
         w = torch.tensor([1.0, 6.0, 1.0]) ** (1 / temp)
         freq = torch.bincount(out.action, minlength=A).float() / B
@@ -490,7 +516,10 @@ def test_pytree_embedding_and_dtypes():
         h, c = emb
         n = action.shape[0]
         out = RecurrentOutput(
-            torch.ones(n, dtype=torch.float64), torch.zeros(n), torch.zeros(n, A, dtype=torch.bfloat16), torch.zeros(n)
+            torch.ones(n, dtype=torch.float64),
+            torch.zeros(n),
+            torch.zeros(n, A, dtype=torch.bfloat16),
+            torch.zeros(n),
         )
         return out, (h + 1, c * 2)
 

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_tree import hash_model, hash_root  # tests/ is on sys.path under pytest
 
-from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchNoise, sample_noise, search
-from rayzero.tree import kernels
+from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchNoise, kernels, sample_noise, search
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-needs_triton = pytest.mark.skipif(not kernels.triton_importable(), reason="needs triton")
-
-from test_tree import hash_model, hash_root  # noqa: E402  (tests/ is on sys.path under pytest)
+# The fused kernels: need triton, and not disabled with RAYZERO_TREE_TRITON=0.
+needs_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() and kernels.available(torch.device("cuda"))), reason="needs triton kernels"
+)
 
 CUDA = "cuda"
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Follow the logs of a Ray job until it finishes.
 #
 # Usage: deploy/local/logs.sh [SUBMISSION_ID]    (default: the last job sent by submit.sh)
 # Environment: RAYZERO_DASHBOARD_ADDRESS (Jobs API, default http://127.0.0.1:8265)
 set -euo pipefail
 
-# shellcheck source=deploy/local/_common.sh
+# shellcheck source=_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 rz_need_ray

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Start a multi-node Ray cluster on this machine: one head node plus N worker nodes, with
 # Ray token authentication on. Mimics the cloud layout: by default the head advertises 0 CPUs,
 # so the job driver runs there but actors land on the worker nodes.
@@ -16,7 +17,7 @@
 #       deploy/local/stop.sh
 set -euo pipefail
 
-# shellcheck source=deploy/local/_common.sh
+# shellcheck source=_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 num_workers="${1:-2}"
@@ -70,10 +71,21 @@ for (( i = 1; i <= num_workers; i++ )); do
     { cat "${RAYZERO_RAY_TEMP_DIR}/start-worker-${i}.log" >&2; rz_die "ray start for worker ${i} failed"; }
 done
 
-echo "Cluster up in $(( SECONDS - start_s ))s (head + ${num_workers} worker nodes)."
-ray status --address="127.0.0.1:${RAYZERO_RAY_PORT}" || true
+# Wait until every node shows up as alive in the cluster state (up to 60 s).
+expected=$(( num_workers + 1 ))
+alive=0
+for _ in $(seq 1 60); do
+  alive="$(ray list nodes --address "${RAYZERO_DASHBOARD_ADDRESS}" --filter "state=ALIVE" --format json \
+    2>/dev/null | grep -o '"node_id"' | wc -l || true)"
+  (( alive >= expected )) && break
+  sleep 1
+done
+(( alive >= expected )) || echo "warning: ${alive} of ${expected} nodes are alive so far" >&2
+
+echo "Cluster up in $(( SECONDS - start_s ))s: ${alive} nodes alive (head + ${num_workers} worker nodes)."
 cat <<EOF
 
+Status:         RAY_AUTH_MODE=token ray status --address=127.0.0.1:${RAYZERO_RAY_PORT}
 Submit a run:   deploy/local/submit.sh -- --config cartpole --out /tmp/rayzero-runs/cartpole
 Dashboard:      ${RAYZERO_DASHBOARD_ADDRESS}
 CLI auth:       export RAY_AUTH_MODE=token   (token in ~/.ray/auth_token unless RAY_AUTH_TOKEN[_PATH] is set)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Stop the local cluster started by deploy/local/start.sh.
 #
 # Usage: deploy/local/stop.sh          stop only this cluster (the Ray processes of RAYZERO_RAY_TEMP_DIR)
@@ -11,7 +12,7 @@
 # plus their descendants (job drivers run in sessions of their own under the job supervisor).
 set -euo pipefail
 
-# shellcheck source=deploy/local/_common.sh
+# shellcheck source=_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 if [[ "${1:-}" == "--all" ]]; then
@@ -84,7 +85,8 @@ for _ in $(seq 1 20); do
   sleep 0.5
 done
 if (( ${#alive[@]} > 0 )); then
-  echo "Force-killing ${#alive[@]} processes that ignored SIGTERM"
+  echo "Force-killing ${#alive[@]} processes still running after SIGTERM:" \
+    "$(ps -o comm= -p "$(IFS=,; echo "${alive[*]}")" | tr '\n' ' ')"
   kill -KILL "${alive[@]}" 2>/dev/null || true
 fi
 echo "Stopped."

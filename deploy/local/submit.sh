@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Submit `rayzero train` to a running Ray cluster as a Ray job (ray job submit).
 #
 # Usage: deploy/local/submit.sh [--no-wait] [--submission-id ID] [--address URL] -- TRAIN_ARGS...
@@ -22,7 +23,7 @@
 #              RAYZERO_DRY_RUN=1 prints the `ray job submit` command instead of running it.
 set -euo pipefail
 
-# shellcheck source=deploy/local/_common.sh
+# shellcheck source=_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 wait_flag=()

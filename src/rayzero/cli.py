@@ -114,7 +114,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = ("tree", "inference", "selfplay", "learner")
+    names = ("tree", "inference", "selfplay", "learner", "learning")
     if args.name not in names:
         raise UsageError(f"unknown benchmark {args.name!r}: valid are {', '.join(names)}")
     try:

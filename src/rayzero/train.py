@@ -120,6 +120,7 @@ class Driver:
         self.train_returns: list[float] = []
         self.last_metrics: dict[str, float] = {}
         self.stop_reason = ""
+        self.solved_weights: Any = None
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -225,6 +226,7 @@ class Driver:
                 pending[handles.learner.train.remote(handles.replay, learner_cfg.steps_per_call)] = ("learn", 0)
                 learner_busy = True
             if not eval_busy and now >= next_eval and self.learner_steps > 0:
+                eval_weights = weights
                 ref = handles.evaluator.evaluate.remote(weights, run.eval_episodes, run.eval_max_steps,
                                                         run.seed + 10_000)
                 pending[ref] = ("eval", 0)
@@ -266,6 +268,7 @@ class Driver:
                     next_eval = time.perf_counter() + run.eval_interval
                     if run.stop_return and result["mean"] >= run.stop_return:
                         self.stop_reason = "stop_return"
+                        self.solved_weights = eval_weights
             if time.perf_counter() >= next_log:
                 self._log_progress(log, env_steps_at_start, learner_steps_at_start)
                 next_log = time.perf_counter() + run.log_interval
@@ -282,6 +285,10 @@ class Driver:
                     self.episodes += len(result["episode_returns"])
                 elif kind == "learn":
                     self.learner_steps = result["learner_steps"]
+        if self.solved_weights is not None:
+            # The learner ran on while the deciding evaluation played; keep the weights that met the bar,
+            # so the checkpoint and the summary describe the same agent.
+            ray.get(handles.learner.set_weights.remote(*ray.get(self.solved_weights)))
 
     def _record_eval(self, result: dict[str, Any], log: MetricsLog) -> None:
         self.last_eval = result

@@ -46,6 +46,11 @@ class LocalEvaluator:
         """Nothing to free: the latents of a local search are ordinary tensors."""
 
 
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    # Arrays that arrive through Ray are read-only views of the object store.
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
 class RemoteEvaluator:
     """Evaluates through the central inference actor; latents stay there, referred to by slot handles."""
 
@@ -62,22 +67,22 @@ class RemoteEvaluator:
 
         out = ray.get(self.server.initial.remote(self.client_id, obs))
         return RootOutput(
-            prior_logits=torch.from_numpy(out["policy_logits"]),
-            value=torch.from_numpy(out["value"]),
-            embedding=torch.from_numpy(out["handles"]),
+            prior_logits=_tensor(out["policy_logits"]),
+            value=_tensor(out["value"]),
+            embedding=_tensor(out["handles"]),
         )
 
     def recurrent_fn(self, action: torch.Tensor, embedding: torch.Tensor) -> tuple[RecurrentOutput, torch.Tensor]:
         import ray
 
         out = ray.get(self.server.recurrent.remote(self.client_id, embedding.numpy(), action.numpy()))
-        value = torch.from_numpy(out["value"])
+        value = _tensor(out["value"])
         return (
             RecurrentOutput(
-                torch.from_numpy(out["reward"]), torch.full_like(value, self.discount),
-                torch.from_numpy(out["policy_logits"]), value,
+                _tensor(out["reward"]), torch.full_like(value, self.discount),
+                _tensor(out["policy_logits"]), value,
             ),
-            torch.from_numpy(out["handles"]),
+            _tensor(out["handles"]),
         )
 
     def release(self) -> None:

@@ -22,13 +22,14 @@ import platform
 import socket
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # keep JAX from taking the GPU's memory
 
-import torch  # noqa: E402
+import torch
 
-from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, search, tree_nbytes  # noqa: E402
+from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, search, tree_nbytes
 
 A = 18
 EMB_NONE = 4
@@ -117,7 +118,15 @@ def _time(fn: Callable[[], Any], device: torch.device, reps: int, budget_s: floa
 
 
 def bench_ours(
-    net: str, policy: str, B: int, n: int, mode: str, device: torch.device, weights: dict, reps: int, budget_s: float
+    net: str,
+    policy: str,
+    B: int,
+    n: int,
+    mode: str,
+    device: torch.device,
+    weights: dict,
+    reps: int,
+    budget_s: float,
 ) -> dict[str, Any]:
     config = SearchConfig(policy=policy, num_simulations=n)
     fn = torch_model(net, device, weights)
@@ -172,12 +181,14 @@ def _mctx_modules() -> tuple[Any, Any, Any] | None:
         import jax
         import jax.numpy as jnp
         import mctx
-    except Exception:  # not installed, or broken
+    except Exception:  # noqa: BLE001 - not installed, or broken
         return None
     return jax, jnp, mctx
 
 
-def bench_mctx(net: str, policy: str, B: int, n: int, weights: dict, reps: int, budget_s: float) -> dict[str, Any]:
+def bench_mctx(
+    net: str, policy: str, B: int, n: int, weights: dict, reps: int, budget_s: float
+) -> dict[str, Any]:
     jax, jnp, mctx = _mctx_modules()  # type: ignore[misc]
     params = {k: jnp.asarray(v.numpy()) for k, v in weights.items()}
 
@@ -195,7 +206,10 @@ def bench_mctx(net: str, policy: str, B: int, n: int, weights: dict, reps: int, 
         h = jax.nn.relu(h @ params["w2"])
         o = h @ params["w3"]
         out = mctx.RecurrentFnOutput(
-            reward=o[:, 0], discount=jnp.full_like(o[:, 0], 0.99), prior_logits=o[:, 2:], value=jnp.tanh(o[:, 1])
+            reward=o[:, 0],
+            discount=jnp.full_like(o[:, 0], 0.99),
+            prior_logits=o[:, 2:],
+            value=jnp.tanh(o[:, 1]),
         )
         return out, h
 
@@ -209,14 +223,27 @@ def bench_mctx(net: str, policy: str, B: int, n: int, weights: dict, reps: int, 
 
         def run(params, key, root):
             return mctx.muzero_policy(
-                params, key, root, recurrent_fn, num_simulations=n, dirichlet_fraction=0.25,
-                dirichlet_alpha=0.3, pb_c_init=1.25, pb_c_base=19652.0, temperature=1.0,
+                params,
+                key,
+                root,
+                recurrent_fn,
+                num_simulations=n,
+                dirichlet_fraction=0.25,
+                dirichlet_alpha=0.3,
+                pb_c_init=1.25,
+                pb_c_base=19652.0,
+                temperature=1.0,
             )
     else:
 
         def run(params, key, root):
             return mctx.gumbel_muzero_policy(
-                params, key, root, recurrent_fn, num_simulations=n, max_num_considered_actions=16,
+                params,
+                key,
+                root,
+                recurrent_fn,
+                num_simulations=n,
+                max_num_considered_actions=16,
                 gumbel_scale=1.0,
             )
 
@@ -248,7 +275,7 @@ def _versions() -> dict[str, Any]:
         try:
             mod = __import__(name)
             v[name] = getattr(mod, "__version__", "unknown")
-        except Exception:
+        except Exception:  # noqa: BLE001
             v[name] = None
     return v
 
@@ -305,14 +332,14 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
         try:
             rows.append(bench_ours(net, p, B, n, m, device, weights, reps, budget))
             _print_row(rows[-1])
-        except Exception as err:  # keep going: report what failed
+        except Exception as err:  # noqa: BLE001 - keep going: report what failed
             errors.append(f"rayzero {net} {p} B={B} n={n} {m}: {type(err).__name__}: {err}")
     if _mctx_modules() is not None:
         for net, p, B, n in mctx_plan:
             try:
                 rows.append(bench_mctx(net, p, B, n, weights, reps, budget))
                 _print_row(rows[-1])
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001
                 errors.append(f"mctx {net} {p} B={B} n={n}: {type(err).__name__}: {err}")
     else:
         errors.append("mctx/jax not importable: no mctx rows")
@@ -342,7 +369,9 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["impl"] != "mctx":
             continue
         for ours in rows:
-            if ours["impl"] == "rayzero" and all(ours[k] == r[k] for k in ("net", "policy", "batch", "num_simulations")):
+            if ours["impl"] == "rayzero" and all(
+                ours[k] == r[k] for k in ("net", "policy", "batch", "num_simulations")
+            ):
                 out.append(
                     {
                         "net": r["net"],
@@ -358,7 +387,9 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-_HEADER = f"{'impl':8} {'net':7} {'policy':7} {'B':>5} {'sims':>5} {'mode':6} {'ms/search':>10} {'sims/s':>12}"
+_HEADER = (
+    f"{'impl':8} {'net':7} {'policy':7} {'B':>5} {'sims':>5} {'mode':6} {'ms/search':>10} {'sims/s':>12}"
+)
 
 
 def _print_row(r: dict[str, Any]) -> None:

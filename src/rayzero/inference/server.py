@@ -107,6 +107,7 @@ class InferenceServer:
         self.gpu = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self.queue: asyncio.Queue | None = None
         self.batcher: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics: dict[int, dict[str, float]] = {b: {"count": 0, "rows": 0, "padded": 0, "wait_s": 0.0,
                                                           "compute_s": 0.0} for b in self.ladder}
         self.errors = 0
@@ -114,14 +115,30 @@ class InferenceServer:
     # -- public API (async actor methods) -------------------------------------------------------------
 
     async def initial(self, client: str, obs: np.ndarray) -> dict[str, np.ndarray]:
+        try:
+            obs = self._check_initial(obs)
+        except InferenceError:
+            self.errors += 1
+            raise
+        return await self._submit("initial", client, obs)
+
+    def _check_initial(self, obs: np.ndarray) -> np.ndarray:
         obs = np.asarray(obs)
         if obs.ndim != len(self.obs_shape) + 1 or tuple(obs.shape[1:]) != self.obs_shape:
             raise InferenceError(f"initial: obs shape {obs.shape} must be [B, {', '.join(map(str, self.obs_shape))}]")
         if obs.dtype.kind == "f" and not np.isfinite(obs).all():
             raise InferenceError("initial: obs contains NaN or inf")
-        return await self._submit("initial", client, obs)
+        return obs
 
     async def recurrent(self, client: str, handles: np.ndarray, actions: np.ndarray) -> dict[str, np.ndarray]:
+        try:
+            payload = self._check_recurrent(handles, actions)
+        except InferenceError:
+            self.errors += 1
+            raise
+        return await self._submit("recurrent", client, payload)
+
+    def _check_recurrent(self, handles: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         handles, actions = np.asarray(handles), np.asarray(actions)
         if handles.ndim != 1 or actions.shape != handles.shape or actions.dtype.kind not in "iu":
             raise InferenceError(
@@ -130,7 +147,7 @@ class InferenceServer:
             )
         if actions.size and (actions.min() < 0 or actions.max() >= self.num_actions):
             raise InferenceError(f"recurrent: actions must be in [0, {self.num_actions})")
-        return await self._submit("recurrent", client, (handles.astype(np.int64), actions.astype(np.int64)))
+        return handles.astype(np.int64), actions.astype(np.int64)
 
     async def release(self, client: str) -> int:
         return self.pool.release(client)
@@ -156,9 +173,12 @@ class InferenceServer:
     # -- batching ------------------------------------------------------------------------------------
 
     async def _submit(self, kind: str, client: str, payload: Any) -> dict[str, np.ndarray]:
-        if self.queue is None:
+        loop = asyncio.get_running_loop()
+        if self.queue is None or self._loop is not loop:
+            # One batcher per event loop (a Ray async actor has one; in-process callers may start several).
+            self._loop = loop
             self.queue = asyncio.Queue()
-            self.batcher = asyncio.get_running_loop().create_task(self._batch_loop())
+            self.batcher = loop.create_task(self._batch_loop())
         future = asyncio.get_running_loop().create_future()
         await self.queue.put((kind, client, payload, future, time.perf_counter()))
         try:

@@ -140,6 +140,14 @@ class Learner:
         """(version, CPU state_dict) to publish to self-play and inference."""
         return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
+        """Put published weights back (the driver rolls back to the version that met run.stop_return)."""
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                tensor.copy_(state_dict[name])
+        self.version = version
+        return version
+
     def counters(self) -> dict[str, int]:
         return {"learner_steps": self.steps, "version": self.version, "samples": self.samples}
 

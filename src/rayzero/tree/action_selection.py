@@ -28,7 +28,9 @@ LOW_LOGIT = -1e9
 _COEF_TABLES: dict[tuple[int, float, float, str], torch.Tensor] = {}
 
 
-def puct_coefficients(max_visits: int, pb_c_init: float, pb_c_base: float, device: torch.device) -> torch.Tensor:
+def puct_coefficients(
+    max_visits: int, pb_c_init: float, pb_c_base: float, device: torch.device
+) -> torch.Tensor:
     """[max_visits + 1] float32: sqrt(n) * (pb_c_init + log((n + pb_c_base + 1) / pb_c_base)) for n = 0..max.
 
     Computed in float64 on the host and cached per device, so CPU and CUDA (torch path and Triton) use
@@ -38,7 +40,8 @@ def puct_coefficients(max_visits: int, pb_c_init: float, pb_c_base: float, devic
     table = _COEF_TABLES.get(key)
     if table is None:
         values = [
-            math.sqrt(n) * (pb_c_init + math.log((n + pb_c_base + 1.0) / pb_c_base)) for n in range(max_visits + 1)
+            math.sqrt(n) * (pb_c_init + math.log((n + pb_c_base + 1.0) / pb_c_base))
+            for n in range(max_visits + 1)
         ]
         table = torch.tensor(values, dtype=torch.float64).to(torch.float32).to(device)
         _COEF_TABLES[key] = table
@@ -76,7 +79,9 @@ def gumbel_interior_scores(
     """[B, A] pi'(a) - N(a) / (1 + sum N) of one node per tree: e [B, C, A], raw_value [B]."""
     prior, visits = e[:, PRIOR], e[:, VISITS]
     q = child_q(e[:, REWARD], e[:, DISCOUNT], e[:, VALUE])
-    sigma_q = completed_qvalues(raw_value, prior, visits, q, maxvisit_init=maxvisit_init, value_scale=value_scale)
+    sigma_q = completed_qvalues(
+        raw_value, prior, visits, q, maxvisit_init=maxvisit_init, value_scale=value_scale
+    )
     improved = torch.softmax(torch.log(prior) + sigma_q, dim=-1)
     return improved - visits / (1.0 + visits.sum(-1, keepdim=True))
 
@@ -97,7 +102,9 @@ def gumbel_root_scores(
     only actions with exactly that many visits can be chosen), invalid_actions [B, A] bool or None."""
     visits = e[:, VISITS]
     q = child_q(e[:, REWARD], e[:, DISCOUNT], e[:, VALUE])
-    sigma_q = completed_qvalues(raw_value, e[:, PRIOR], visits, q, maxvisit_init=maxvisit_init, value_scale=value_scale)
+    sigma_q = completed_qvalues(
+        raw_value, e[:, PRIOR], visits, q, maxvisit_init=maxvisit_init, value_scale=value_scale
+    )
     score = (gumbel + log_prior + sigma_q).clamp_min(LOW_LOGIT)
     score = torch.where(visits == considered_visit.unsqueeze(-1), score, NEG_INF)
     if invalid_actions is not None:

@@ -110,7 +110,9 @@ class CapturedSearch:
             self.invalid.zero_()
         else:
             if tuple(invalid_actions.shape) != (B, A) or invalid_actions.dtype != torch.bool:
-                raise ValueError(f"invalid_actions must be bool [{B}, {A}], got {invalid_actions.dtype} {tuple(invalid_actions.shape)}")
+                raise ValueError(
+                    f"invalid_actions must be bool [{B}, {A}], got {invalid_actions.dtype} {tuple(invalid_actions.shape)}"
+                )
             self.invalid.copy_(invalid_actions)
         if noise is None:
             noise = sample_noise(self.config, B, A, generator=generator, device=self.device)

@@ -40,7 +40,7 @@ try:  # pragma: no cover - exercised on CUDA hosts only
     import triton.language as tl
 
     _TRITON = True
-except Exception:  # ImportError, or a broken install
+except Exception:  # noqa: BLE001 - ImportError, or a broken install
     _TRITON = False
 
 
@@ -54,7 +54,7 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and _TRITON and os.environ.get("RAYZERO_TREE_TRITON", "1") != "0"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _block(num_actions: int) -> int:
     return max(16, 1 << (num_actions - 1).bit_length())
 
@@ -144,7 +144,9 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
         cdis = _load_edges(edges_ptr, row, A, offs, amask, C, CH_DISCOUNT)
         q = crew + cdis * cval
         if GUMBEL:
-            sigma, sum_vis = _sigma_completed(prior, cvis, q, tl.load(raw_ptr + row), amask, maxvisit_init, value_scale)
+            sigma, sum_vis = _sigma_completed(
+                prior, cvis, q, tl.load(raw_ptr + row), amask, maxvisit_init, value_scale
+            )
             g = tl.load(gumbel_ptr + b * A + offs, mask=amask, other=0.0)
             lp = tl.load(logp_ptr + b * A + offs, mask=amask, other=float("-inf"))
             score = tl.maximum(g + lp + sigma, LOW_LOGIT)
@@ -199,7 +201,7 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
         tl.store(action_ptr + b, act)
         tl.store(flat_parent_ptr + b, b * N + parent)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["leaf"])
     def _expand_backup_kernel(
         edges_ptr,
         visits_ptr,
@@ -304,7 +306,13 @@ class KernelPath:
         self.flat_parent = torch.zeros((B,), **i64)
 
 
-_CHANNELS = {"C": EDGE_CHANNELS, "CH_VISITS": VISITS, "CH_VALUE": VALUE, "CH_REWARD": REWARD, "CH_DISCOUNT": DISCOUNT}
+_CHANNELS = {
+    "C": EDGE_CHANNELS,
+    "CH_VISITS": VISITS,
+    "CH_VALUE": VALUE,
+    "CH_REWARD": REWARD,
+    "CH_DISCOUNT": DISCOUNT,
+}
 
 
 def select(tree: Tree, ctx: _Context, sim: int) -> KernelPath:

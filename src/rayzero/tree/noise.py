@@ -41,7 +41,9 @@ class SearchNoise(NamedTuple):
     """[B, A]: standard Gumbel samples for temperature sampling of the played action (policy 'muzero')."""
 
 
-def _uniform_open(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+def _uniform_open(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
     """Uniform samples in (0, 1): torch.rand gives [0, 1), and 0 would make log() infinite."""
     u = torch.rand(shape, generator=generator, device=device)
     return u.clamp_min(torch.finfo(torch.float32).tiny)
@@ -93,7 +95,9 @@ def sample_dirichlet(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Dirichlet(alpha) samples over the last axis of `shape`, restricted to the entries not `invalid`."""
-    return dirichlet_from_log_gamma(sample_log_gamma(alpha, shape, generator=generator, device=device), invalid)
+    return dirichlet_from_log_gamma(
+        sample_log_gamma(alpha, shape, generator=generator, device=device), invalid
+    )
 
 
 def dirichlet_from_log_gamma(log_gamma: torch.Tensor, invalid: torch.Tensor | None) -> torch.Tensor:

@@ -41,7 +41,9 @@ def minmax_bounds(value_min: torch.Tensor, value_max: torch.Tensor) -> tuple[tor
     return low.unsqueeze(-1), spread.unsqueeze(-1)
 
 
-def minmax_normalized_q(q: torch.Tensor, visits: torch.Tensor, low: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+def minmax_normalized_q(
+    q: torch.Tensor, visits: torch.Tensor, low: torch.Tensor, spread: torch.Tensor
+) -> torch.Tensor:
     """[B, A] (q - low) / spread of visited children ([B, 1] bounds from `minmax_bounds`); 0 elsewhere."""
     return torch.where(visits > 0, (q - low) / spread, 0.0)
 

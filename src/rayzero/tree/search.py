@@ -8,8 +8,9 @@ Every step is batched over trees: no Python loop over B, no data-dependent shape
 synchronisation: the selection walk runs a fixed number of masked steps (a tree of i nodes is at most i
 steps deep), so a whole search (network included) can be captured into one CUDA graph (capture.py). On
 the CPU the walk stops as soon as every tree has reached a leaf (a host check is free there); results
-are the same. On CUDA, when Triton imports and K == 1, the walk and the backup run as fused kernels
-(kernels.py) that compute exactly the same float32 operations, so visit counts match the torch path.
+are the same. On CUDA, when Triton imports and K == 1, a simulation is two fused kernels around the
+network (kernels.py: the selection walk, root choice included; the expansion writes and the backup); they
+compute the same float32 operations as the torch path, so visit counts match it.
 
 Randomness (Dirichlet root noise, Gumbel noise, temperature sampling) is drawn with `generator`, or taken
 from `noise` (see noise.py): pass precomputed noise to replay a captured graph with fresh noise.
@@ -71,7 +72,7 @@ def search(
     root: RootOutput,
     recurrent_fn: RecurrentFn,
     num_simulations: int,
-    config: SearchConfig = SearchConfig(),
+    config: SearchConfig = SearchConfig(),  # noqa: B008 - frozen dataclass, never mutated
     invalid_actions: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     *,
@@ -91,7 +92,7 @@ def search(
     """
     n = _check_num_simulations(num_simulations)
     if not isinstance(config, SearchConfig):
-        raise ValueError(f"config must be a SearchConfig, got {type(config).__name__}")
+        raise ValueError(f"config must be a SearchConfig, got {type(config).__name__}")  # noqa: TRY004
     logits, value, embedding, invalid = _check_root(root, invalid_actions)
     B, A = logits.shape
     device = logits.device
@@ -165,7 +166,8 @@ def _check_root(
     root: Any, invalid_actions: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor | None]:
     if not isinstance(root, RootOutput):
-        raise ValueError(f"root must be a RootOutput(prior_logits, value, embedding), got {type(root).__name__}")
+        got = type(root).__name__
+        raise ValueError(f"root must be a RootOutput(prior_logits, value, embedding), got {got}")  # noqa: TRY004
     logits, value = root.prior_logits, root.value
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(
@@ -187,28 +189,36 @@ def _check_root(
         if leaf.dim() < 1 or leaf.shape[0] != B:
             raise ValueError(f"root.embedding leaves must be [B={B}, ...], got shape {tuple(leaf.shape)}")
         if leaf.device != logits.device:
-            raise ValueError(f"root.embedding is on {leaf.device} but root.prior_logits is on {logits.device}")
+            raise ValueError(
+                f"root.embedding is on {leaf.device} but root.prior_logits is on {logits.device}"
+            )
     if invalid_actions is not None:
         if not isinstance(invalid_actions, torch.Tensor) or invalid_actions.dtype != torch.bool:
-            kind = invalid_actions.dtype if isinstance(invalid_actions, torch.Tensor) else type(invalid_actions)
+            kind = (
+                invalid_actions.dtype if isinstance(invalid_actions, torch.Tensor) else type(invalid_actions)
+            )
             raise ValueError(f"invalid_actions must be a bool tensor [B, A] (True = invalid), got {kind}")
         if tuple(invalid_actions.shape) != (B, A):
             raise ValueError(
                 f"invalid_actions has shape {tuple(invalid_actions.shape)} but root.prior_logits is [B, A]=({B}, {A})"
             )
         if invalid_actions.device != logits.device:
-            raise ValueError(f"invalid_actions is on {invalid_actions.device} but the root is on {logits.device}")
+            raise ValueError(
+                f"invalid_actions is on {invalid_actions.device} but the root is on {logits.device}"
+            )
         if invalid_actions.device.type == "cpu":  # free here; on CUDA it would be a host sync
             all_invalid = invalid_actions.all(dim=1)
             if bool(all_invalid.any()):
                 rows = all_invalid.nonzero().flatten().tolist()[:10]
-                raise ValueError(f"invalid_actions marks every action invalid in row(s) {rows}: nothing to search")
+                raise ValueError(
+                    f"invalid_actions marks every action invalid in row(s) {rows}: nothing to search"
+                )
     return logits.float(), value.float(), root.embedding, invalid_actions
 
 
 def _check_recurrent(out: Any, next_embedding: Any, rows: int, A: int, embedding_template: Any) -> None:
     if not isinstance(out, RecurrentOutput):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004
             f"recurrent_fn must return (RecurrentOutput, next_embedding), got {type(out).__name__} first"
         )
     for name in ("reward", "discount", "value"):
@@ -224,7 +234,9 @@ def _check_recurrent(out: Any, next_embedding: Any, rows: int, A: int, embedding
     except ValueError as err:
         raise ValueError(f"recurrent_fn returned a bad next_embedding: {err}") from None
     if len(new) != len(old):
-        raise ValueError(f"recurrent_fn returned a next_embedding of {len(new)} tensors; the root's has {len(old)}")
+        raise ValueError(
+            f"recurrent_fn returned a next_embedding of {len(new)} tensors; the root's has {len(old)}"
+        )
     for a, b in zip(new, old):
         if tuple(a.shape[1:]) != tuple(b.shape[2:]) or a.shape[0] != rows:
             raise ValueError(
@@ -240,7 +252,13 @@ class _Context:
     """Per-search constants and flat views shared by the steps (no tensors are allocated per step here)."""
 
     def __init__(
-        self, tree: Tree, config: SearchConfig, invalid: torch.Tensor | None, n: int, K: int, device: torch.device
+        self,
+        tree: Tree,
+        config: SearchConfig,
+        invalid: torch.Tensor | None,
+        n: int,
+        K: int,
+        device: torch.device,
     ) -> None:
         B, N, A = tree.batch_size, tree.num_nodes, tree.num_actions
         self.config = config
@@ -287,7 +305,9 @@ def _init_root(
     if not ctx.gumbel and config.dirichlet_fraction > 0:
         log_gamma = noise.root if noise is not None and noise.root is not None else None
         if log_gamma is None:
-            log_gamma = sample_log_gamma(config.dirichlet_alpha, (B, A), generator=generator, device=ctx.device)
+            log_gamma = sample_log_gamma(
+                config.dirichlet_alpha, (B, A), generator=generator, device=ctx.device
+            )
         _check_noise("noise.root", log_gamma, B, A, ctx.device)
         f = config.dirichlet_fraction
         prior = (1.0 - f) * prior + f * dirichlet_from_log_gamma(log_gamma.float(), invalid)
@@ -315,7 +335,9 @@ def _init_root(
 
 def _check_noise(name: str, t: torch.Tensor, B: int, A: int, device: torch.device) -> None:
     if tuple(t.shape) != (B, A) or t.device != device:
-        raise ValueError(f"{name} must be a [B, A]=({B}, {A}) tensor on {device}, got {tuple(t.shape)} on {t.device}")
+        raise ValueError(
+            f"{name} must be a [B, A]=({B}, {A}) tensor on {device}, got {tuple(t.shape)} on {t.device}"
+        )
 
 
 def _root_action(tree: Tree, ctx: _Context, sim: int) -> torch.Tensor:
@@ -347,7 +369,10 @@ def _interior_action(tree: Tree, ctx: _Context, flat: torch.Tensor) -> torch.Ten
     config = ctx.config
     if ctx.gumbel:
         score = gumbel_interior_scores(
-            e, ctx.raw_flat.index_select(0, flat), maxvisit_init=config.maxvisit_init, value_scale=config.value_scale
+            e,
+            ctx.raw_flat.index_select(0, flat),
+            maxvisit_init=config.maxvisit_init,
+            value_scale=config.value_scale,
         )
     else:
         vv = ctx.vv_flat.index_select(0, flat) if ctx.vv_flat is not None else None
@@ -360,21 +385,14 @@ class Path:
 
     __slots__ = ("action", "actions", "depth", "nodes", "parent")
 
-    def __init__(
-        self,
-        nodes: torch.Tensor,
-        actions: torch.Tensor,
-        depth: torch.Tensor,
-        parent: torch.Tensor | None = None,
-        action: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, nodes: torch.Tensor, actions: torch.Tensor, depth: torch.Tensor) -> None:
         self.nodes = nodes
         self.actions = actions
         self.depth = depth
         # The new leaf hangs off edge (parent, action), the path's last edge.
         last = (depth - 1).unsqueeze(-1)
-        self.parent = nodes.gather(1, last).squeeze(-1) if parent is None else parent
-        self.action = actions.gather(1, last).squeeze(-1) if action is None else action
+        self.parent = nodes.gather(1, last).squeeze(-1)
+        self.action = actions.gather(1, last).squeeze(-1)
 
 
 def _prepare_walk(tree: Tree, ctx: _Context) -> None:
@@ -444,7 +462,7 @@ def _expand(
 
     Returns the leaves' network values [K, B]. New nodes start with 0 visits; the backup adds the first.
     """
-    B, N, A, K = ctx.B, ctx.N, ctx.A, len(paths)
+    B, A, K = ctx.B, ctx.A, len(paths)
     parent = torch.stack([p.parent for p in paths])  # [K, B]
     action = torch.stack([p.action for p in paths])
     flat = (ctx.rows + parent).flatten()  # k-major: row k * B + b
@@ -474,7 +492,8 @@ def _expand(
         dup = torch.stack(dups)
         tree.parents[:, nodes] = bk(torch.where(dup, NO_PARENT, parent).flatten())
         tree.action_from_parent[:, nodes] = bk(torch.where(dup, -1, action).flatten())
-        for k in range(K):  # in order, so a duplicate keeps the first walk's reward (children_index done by _claim)
+        # In order, so a duplicate keeps the first walk's reward (children_index was set by _claim).
+        for k in range(K):
             for ch, x in ((REWARD, reward[k]), (DISCOUNT, discount[k])):
                 idx = edge[k] + ch * A
                 ctx.edges_1d[idx] = torch.where(dup[k], ctx.edges_1d.index_select(0, idx), x)
@@ -548,11 +567,15 @@ def _outputs(
     root_value = tree.value_sums[:, ROOT] / tree.node_visits[:, ROOT]
     if ctx.gumbel:
         assert ctx.root_log_prior is not None and ctx.root_gumbel is not None
-        kw = dict(maxvisit_init=config.maxvisit_init, value_scale=config.value_scale)
+        kw = {"maxvisit_init": config.maxvisit_init, "value_scale": config.value_scale}
         raw = tree.raw_values[:, ROOT]
-        score = gumbel_root_scores(e, raw, ctx.root_log_prior, ctx.root_gumbel, visits.amax(-1), ctx.invalid, **kw)
+        score = gumbel_root_scores(
+            e, raw, ctx.root_log_prior, ctx.root_gumbel, visits.amax(-1), ctx.invalid, **kw
+        )
         action = score.argmax(-1)
-        sigma_q = completed_qvalues(raw, e[:, PRIOR], visits, e[:, REWARD] + e[:, DISCOUNT] * e[:, VALUE], **kw)
+        sigma_q = completed_qvalues(
+            raw, e[:, PRIOR], visits, e[:, REWARD] + e[:, DISCOUNT] * e[:, VALUE], **kw
+        )
         weights = torch.softmax(ctx.root_log_prior + sigma_q, dim=-1)
     else:
         weights = visits / visits.sum(-1, keepdim=True)

@@ -45,7 +45,9 @@ def considered_visits(max_num_considered: int, num_simulations: int) -> tuple[in
 _TABLES: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
-def considered_visits_table(max_num_considered: int, num_simulations: int, device: torch.device) -> torch.Tensor:
+def considered_visits_table(
+    max_num_considered: int, num_simulations: int, device: torch.device
+) -> torch.Tensor:
     """[m + 1, n] float32: row k is `considered_visits(k, n)` (row 0 unused); cached per device.
 
     Cached so that a search on CUDA copies it to the device only the first time (a CUDA-graph capture

@@ -12,7 +12,8 @@ selection walk; the named fields `priors`, `children_visits`, ... are views into
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -150,9 +151,11 @@ def allocate_tree(
 ) -> Tree:
     """Allocate B empty trees of `num_nodes` nodes; `embedding` [B, ...] gives the embedding layout."""
     B, N, A = batch_size, num_nodes, num_actions
-    f32 = dict(dtype=torch.float32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    embeddings = tree_map(lambda e: torch.zeros((B, N, *e.shape[1:]), dtype=e.dtype, device=device), embedding)
+    f32 = {"dtype": torch.float32, "device": device}
+    i64 = {"dtype": torch.int64, "device": device}
+    embeddings = tree_map(
+        lambda e: torch.zeros((B, N, *e.shape[1:]), dtype=e.dtype, device=device), embedding
+    )
     return Tree(
         node_visits=torch.zeros((B, N), **f32),
         value_sums=torch.zeros((B, N), **f32),
