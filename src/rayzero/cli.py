@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from rayzero import config as config_lib
     from rayzero.envs import env_spec
+    from rayzero.storage import is_uri
     from rayzero.train import check_resumable, train
 
     run_dir = Path(args.out)
@@ -63,15 +64,15 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"run.time_limit={args.time_limit}")
     preset = args.config
     if preset is None:
-        if args.resume and (run_dir / "config.yaml").exists():
+        if args.resume and not is_uri(args.out) and (run_dir / "config.yaml").exists():
             preset = str(run_dir / "config.yaml")
         else:
             preset = "cartpole"
     config = config_lib.load(preset, overrides)
     env_spec(config.env)  # an unknown env id fails here, before Ray starts
-    if args.resume:
-        check_resumable(run_dir)
-    summary = train(config, run_dir, resume=args.resume)
+    if args.resume and not is_uri(args.out):
+        check_resumable(run_dir)  # a URI is checked after it is fetched
+    summary = train(config, args.out, resume=args.resume)
     print(json.dumps({k: summary[k] for k in ("env_id", "env_steps", "learner_steps", "eval_return_mean")}))
     return 0
 
@@ -129,7 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     from rayzero.config import ConfigError
     from rayzero.learner.checkpoint import CheckpointError
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come before or after flags (`--out D a.b=1 --resume c.d=2`): argparse leaves the later
+    # ones unparsed, so collect them here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if "=" not in x or x.startswith("-")]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     handlers = {"train": _train, "eval": _eval, "bench": _bench}
     try:
         return handlers[args.command](args)

@@ -248,6 +248,13 @@ class ClusterConfig:
     """CPUs reserved for the evaluation actor."""
     torch_threads: int = 1
     """torch intra-op threads in each actor."""
+    max_selfplay_actors: int = 0
+    """Elastic self-play: grow up to this many actors while the cluster has free CPUs (0 = fixed at
+    num_selfplay_actors). Actors lost with a node are dropped and replaced when resources return."""
+    request_resources: bool = False
+    """Ask the autoscaler (ray.autoscaler.sdk.request_resources) for max_selfplay_actors' CPUs."""
+    elastic_interval: float = 10.0
+    """Seconds between checks for room to add self-play actors."""
     address: str = ""
     """Ray address to connect to; empty = RAY_ADDRESS, a job's cluster, or a new local ray.init()."""
     num_cpus: int = 0
@@ -265,6 +272,9 @@ class ClusterConfig:
             ("eval_cpus", self.eval_cpus >= 0, ">= 0"),
             ("torch_threads", self.torch_threads >= 1, ">= 1"),
             ("num_cpus", self.num_cpus >= 0, ">= 0"),
+            ("max_selfplay_actors", self.max_selfplay_actors == 0 or self.max_selfplay_actors >= self.num_selfplay_actors,
+             "0 (fixed) or >= cluster.num_selfplay_actors"),
+            ("elastic_interval", self.elastic_interval > 0, "> 0"),
         ])
 
 
@@ -290,6 +300,8 @@ class RunConfig:
     """Stop early once an evaluation's mean return reaches this (0 = never)."""
     temperature_schedule: tuple[tuple[int, float], ...] = ((0, 1.0), (5000, 0.5), (10000, 0.25))
     """(learner step, visit temperature) pairs: self-play uses the last entry whose step has passed."""
+    local_dir: str = ""
+    """Local working copy of the run dir when --out is a URI (empty = a new temporary directory)."""
     log_interval: float = 5.0
     """Seconds between progress lines and metric rows."""
     selfplay_steps_per_call: int = 20

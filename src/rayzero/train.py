@@ -21,6 +21,7 @@ from rayzero import cluster
 from rayzero.config import Config, to_yaml
 from rayzero.envs import env_spec
 from rayzero.learner import checkpoint as ckpt
+from rayzero.storage import RunStorage
 
 
 class Interrupted(Exception):
@@ -105,9 +106,10 @@ def check_resumable(run_dir: Path) -> tuple[Path, dict]:
 
 
 class Driver:
-    def __init__(self, config: Config, run_dir: Path, resume: bool):
+    def __init__(self, config: Config, out: str, resume: bool):
         self.config = config
-        self.run_dir = run_dir
+        self.storage = RunStorage(out, config.run.local_dir)
+        self.run_dir = self.storage.local
         self.resume = resume
         self.spec = env_spec(config.env)
         self.env_steps = 0
@@ -135,7 +137,9 @@ class Driver:
             "episodes": self.episodes, "wall_seconds": self.wall_before + time.perf_counter() - self.start,
             "env_id": self.config.env.id, "best_eval_return": None if self.best_eval == -math.inf else self.best_eval,
         }
-        return ckpt.commit(self.run_dir, staging, counters["learner_steps"], state)
+        path = ckpt.commit(self.run_dir, staging, counters["learner_steps"], state)
+        self.storage.sync()
+        return path
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -144,6 +148,7 @@ class Driver:
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = None
         if self.resume:
+            self.storage.fetch()
             checkpoint, state = check_resumable(run_dir)
             self.env_steps, self.learner_steps = state["env_steps"], state["learner_steps"]
             self.episodes, self.wall_before = state.get("episodes", 0), state.get("wall_seconds", 0.0)
@@ -189,7 +194,10 @@ class Driver:
         if handles.inference is not None:
             ray.get(handles.inference.set_weights.remote(*ray.get(weights)))
         pending: dict[Any, tuple[str, int]] = {}
-        busy_actor = [False] * len(handles.selfplay)
+        self.actors = dict(enumerate(handles.selfplay))
+        self.active: set[int] = set()  # actors that have delivered at least one collect
+        next_index = len(self.actors)
+        busy: set[int] = set()
         learner_busy = eval_busy = False
         next_eval = time.perf_counter() + run.eval_interval
         next_log = time.perf_counter() + run.log_interval
@@ -216,11 +224,11 @@ class Driver:
             learner_ready = self.replay_transitions >= max(1, replay_cfg.min_size)
             # Schedule self-play while the learner keeps up (always, until replay can feed the learner).
             temperature = temperature_at(run.temperature_schedule, self.learner_steps)
-            for i, actor in enumerate(handles.selfplay):
-                if not busy_actor[i] and (not learner_ready or target <= learner_samples + slack):
+            for i, actor in list(self.actors.items()):
+                if i not in busy and (not learner_ready or target <= learner_samples + slack):
                     ref = actor.collect.remote(run.selfplay_steps_per_call, temperature, weights)
                     pending[ref] = ("collect", i)
-                    busy_actor[i] = True
+                    busy.add(i)
             # Schedule the learner while it is behind.
             if not learner_busy and learner_ready and learner_samples < target + samples_per_call:
                 pending[handles.learner.train.remote(handles.replay, learner_cfg.steps_per_call)] = ("learn", 0)
@@ -238,13 +246,22 @@ class Driver:
             for ref in ready:
                 kind, index = pending.pop(ref)
                 if kind == "collect":
-                    busy_actor[index] = False
+                    busy.discard(index)
                     try:
                         result = ray.get(ref)
                     except ray.exceptions.RayActorError as error:
-                        print(f"rayzero: self-play actor {index} died ({type(error).__name__}); it restarts",
-                              flush=True)
+                        # Its node went away (or it crashed): replace it; the new one starts wherever there is
+                        # room, or waits pending until a node joins. Segments already sent stay in replay.
+                        lost = self.actors.pop(index)
+                        self.active.discard(index)
+                        ray.kill(lost, no_restart=True)
+                        self.actors[next_index] = cluster.make_selfplay(
+                            config, handles.plan, handles.replay, handles.inference, next_index)
+                        print(f"rayzero: self-play actor {index} lost ({type(error).__name__}); "
+                              f"replaced by actor {next_index}", flush=True)
+                        next_index += 1
                         continue
+                    self.active.add(index)
                     self.env_steps += result["env_steps"]
                     self.replay_transitions += result["transitions_sent"]
                     self.episodes += len(result["episode_returns"])
@@ -270,7 +287,7 @@ class Driver:
                         self.stop_reason = "stop_return"
                         self.solved_weights = eval_weights
             if time.perf_counter() >= next_log:
-                self._log_progress(log, env_steps_at_start, learner_steps_at_start)
+                self._log_progress(log, env_steps_at_start, learner_steps_at_start, handles)
                 next_log = time.perf_counter() + run.log_interval
         # Let in-flight work end cleanly, so the learner and replay are consistent for the checkpoint.
         if pending:
@@ -302,17 +319,22 @@ class Driver:
         print(f"rayzero: eval v{result['version']}: {result['mean']:.1f} ± {result['std']:.1f} "
               f"over {len(result['returns'])} episodes", flush=True)
 
-    def _log_progress(self, log: MetricsLog, env0: int, learn0: int) -> None:
+    def _log_progress(self, log: MetricsLog, env0: int, learn0: int, handles: cluster.Handles) -> None:
         elapsed = time.perf_counter() - self.start
         recent = self.train_returns[-20:]
         row = {
             "time": time.time(), "wall_seconds": self.wall_before + elapsed, "env_steps": self.env_steps,
+            "selfplay_actors_active": len(self.active), "replay_transitions": self.replay_transitions,
             "learner_steps": self.learner_steps, "env_steps_per_second": (self.env_steps - env0) / elapsed,
             "learner_steps_per_second": (self.learner_steps - learn0) / elapsed, "episodes": self.episodes,
             **self.last_metrics,
         }
         if recent:
             row["train_return_mean"] = float(np.mean(recent))
+        try:
+            row["replay_size"] = ray.get(handles.replay.stats.remote(), timeout=10)["size"]
+        except ray.exceptions.GetTimeoutError:
+            pass
         log.write(row)
         last = f"{self.last_eval['mean']:.1f}" if self.last_eval else "-"
         train = f"{row.get('train_return_mean', float('nan')):.1f}"
@@ -358,11 +380,13 @@ class Driver:
         tmp.write_text(json.dumps(summary, indent=2))
         tmp.replace(self.run_dir / "summary.json")
         log.close()
+        self.storage.sync()
         print(f"rayzero: done ({self.stop_reason}): {self.env_steps:,d} env steps, {self.learner_steps:,d} learner "
               f"steps in {wall:.0f}s; eval {summary['eval_return_mean']:.1f} ± {summary['eval_return_std']:.1f}",
               flush=True)
         return summary
 
 
-def train(config: Config, run_dir: str | Path, resume: bool = False) -> dict[str, Any]:
-    return Driver(config, Path(run_dir), resume).run()
+def train(config: Config, out: str | Path, resume: bool = False) -> dict[str, Any]:
+    """Train; `out` is a run directory or a storage URI (s3://, gs://, file://)."""
+    return Driver(config, str(out), resume).run()

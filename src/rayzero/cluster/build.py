@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayzero.actors.evaluate import EvalWorker
 from rayzero.actors.selfplay import SelfPlayWorker
@@ -65,7 +66,8 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     return Plan(
         replay={"num_cpus": c.replay_cpus, "max_restarts": 0},
         learner={"num_cpus": c.learner_cpus, "num_gpus": learner_gpus},
-        selfplay={"num_cpus": c.selfplay_cpus, "max_restarts": -1, "max_task_retries": 0},
+        # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them.
+        selfplay={"num_cpus": c.selfplay_cpus, "max_restarts": 0},
         evaluator={"num_cpus": c.eval_cpus, "max_restarts": -1},
         inference=({"num_gpus": inference_gpus, "num_cpus": 1, "max_concurrency": 1000} if mode == "central" else None),
         learner_device="cuda" if learner_gpus > 0 else "cpu",
@@ -87,7 +89,10 @@ def build(config: Config, spec: EnvSpec) -> Handles:
     """Starts replay, learner, evaluator, the inference actor (central mode) and the self-play actors."""
     p = plan(config, ray.cluster_resources())
     c, seed = config.cluster, config.run.seed
-    replay = ray.remote(ReplayBuffer).options(**p.replay).remote(config.replay, seed)
+    # Replay lives on the driver's node: removing any other node loses no replay data, and its snapshots
+    # land in the driver's run directory.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    replay = ray.remote(ReplayBuffer).options(**p.replay, scheduling_strategy=here).remote(config.replay, seed)
     learner_cfg = dataclasses.replace(config.learner, device=p.learner_device)
     learner = ray.remote(Learner).options(**p.learner).remote(
         config.model, learner_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads
@@ -101,7 +106,14 @@ def build(config: Config, spec: EnvSpec) -> Handles:
         inference = ray.remote(InferenceServer).options(**p.inference).remote(
             config.model, inference_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads
         )
-    selfplay = [make_selfplay(config, p, replay, inference, i) for i in range(c.num_selfplay_actors)]
+    # Elastic self-play: actors beyond what fits now stay pending; pending actors are the resource demand
+    # that an autoscaler acts on, and they start as soon as a node with room joins.
+    target = max(c.num_selfplay_actors, c.max_selfplay_actors)
+    if c.request_resources:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[{"CPU": c.selfplay_cpus}] * target)
+    selfplay = [make_selfplay(config, p, replay, inference, i) for i in range(target)]
     return Handles(replay, learner, selfplay, evaluator, inference, p)
 
 
