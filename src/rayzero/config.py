@@ -131,6 +131,15 @@ class ReplayConfig:
     """Steps per segment sent from a self-play actor (episodes that end sooner send what they have)."""
     min_size: int = 1000
     """Transitions needed before the learner starts."""
+    shared_obs: bool = False
+    """Keep observations in node-local shared memory (/dev/shm): learners on the replay's node gather them
+    straight into pinned memory instead of receiving them through Ray (for image observations, where a batch
+    of 1024 is 113 MB). Falls back to private memory, with a warning, when /dev/shm is too small."""
+    next_obs: bool = False
+    """Batches carry the observations at t+1..t+K (needed by learner.consistency_weight > 0)."""
+    bootstrap_obs: bool = False
+    """Batches carry the observations n = td_steps ahead and leave the stored search value out of the value
+    target, so the learner bootstraps with its target network (needed by learner.target_update_interval > 0)."""
 
     def __post_init__(self) -> None:
         _check("replay", self, [
@@ -175,6 +184,22 @@ class LearnerConfig:
     """bf16 autocast on CUDA."""
     checkpoint_interval: int = 1000
     """Learner steps between checkpoints."""
+    compile: bool | None = None
+    """torch.compile the loss (forward and backward); None = on CUDA only. Falls back to eager, with a
+    logged warning, when compilation fails."""
+    prefetch: int = 2
+    """Batches sampled, gathered into pinned memory and copied to the device ahead of the update (0 = in line)."""
+    gather_threads: int = 4
+    """Threads gathering observations from the replay's shared memory (replay.shared_obs) into pinned memory."""
+    target_update_interval: int = 0
+    """Learner steps between copies of the network into the target network that computes the n-step value
+    bootstraps (0 = no target network: the stored search values bootstrap). Needs replay.bootstrap_obs=true."""
+    consistency_weight: float = 0.0
+    """Weight of EfficientZero's self-supervised consistency loss: negative cosine between the projected
+    latent after k dynamics steps and the (stop-gradient) projected representation of the observation at
+    t+k (0 = off). Needs replay.next_obs=true."""
+    consistency_dim: int = 256
+    """Width of the consistency projection (and of its prediction head's hidden layer)."""
 
     def __post_init__(self) -> None:
         _check("learner", self, [
@@ -190,6 +215,11 @@ class LearnerConfig:
             ("steps_per_call", self.steps_per_call >= 1, ">= 1"),
             ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
             ("checkpoint_interval", self.checkpoint_interval >= 1, ">= 1"),
+            ("prefetch", self.prefetch >= 0, ">= 0"),
+            ("gather_threads", self.gather_threads >= 1, ">= 1"),
+            ("target_update_interval", self.target_update_interval >= 0, ">= 0"),
+            ("consistency_weight", self.consistency_weight >= 0, ">= 0"),
+            ("consistency_dim", self.consistency_dim >= 1, ">= 1"),
         ])
 
 
@@ -214,6 +244,20 @@ class InferenceConfig:
     """Capture one CUDA graph per bucket (CUDA only)."""
     bf16: bool = True
     """bf16 trunk with fp32 heads (CUDA only)."""
+    fp32_heads: bool = True
+    """With bf16: run the value, reward and policy heads in float32 (False = everything bf16)."""
+    channels_last: bool = False
+    """CUDA: keep conv weights in channels-last layout (NHWC kernels for bf16 convs)."""
+    search_max_batch: int = 1024
+    """Largest bucket of whole-search CUDA graphs (one per bucket of the ladder up to here, captured at
+    start-up for the run's search config; other configs are captured on first use). Bigger search
+    requests run eagerly; 0 = no whole-search graphs."""
+    latent_timeout_s: float = 0.0
+    """Free the latent slots of a client idle this long (seconds; 0 = only when the pool runs short, oldest
+    client first)."""
+    cache_size: int = 0
+    """Entries of the initial-inference cache keyed by an observation hash (LRU; 0 = off). Cleared on
+    every weight update."""
 
     def __post_init__(self) -> None:
         _check("inference", self, [
@@ -223,6 +267,9 @@ class InferenceConfig:
             ("min_bucket", 1 <= self.min_bucket <= self.max_batch, "between 1 and inference.max_batch"),
             ("max_wait_us", self.max_wait_us >= 0, ">= 0"),
             ("latent_pool_size", self.latent_pool_size >= 1, ">= 1"),
+            ("search_max_batch", self.search_max_batch >= 0, ">= 0 (0 = no whole-search graphs)"),
+            ("latent_timeout_s", self.latent_timeout_s >= 0, ">= 0 (0 = no timeout)"),
+            ("cache_size", self.cache_size >= 0, ">= 0 (0 = no cache)"),
         ])
 
 

@@ -197,6 +197,7 @@ class Driver:
         self.actors = dict(enumerate(handles.selfplay))
         self.active: set[int] = set()  # actors that have delivered at least one collect
         next_index = len(self.actors)
+        losses_in_a_row = 0
         busy: set[int] = set()
         learner_busy = eval_busy = False
         next_eval = time.perf_counter() + run.eval_interval
@@ -252,6 +253,10 @@ class Driver:
                     except ray.exceptions.RayActorError as error:
                         # Its node went away (or it crashed): replace it; the new one starts wherever there is
                         # room, or waits pending until a node joins. Segments already sent stay in replay.
+                        losses_in_a_row += 1
+                        if losses_in_a_row > 2 * len(self.actors) + 2:
+                            # Actors die as fast as they are made: a bug or a bad env, not a lost node.
+                            raise RuntimeError(f"self-play actors keep failing; last error: {error}") from error
                         lost = self.actors.pop(index)
                         self.active.discard(index)
                         ray.kill(lost, no_restart=True)
@@ -262,6 +267,7 @@ class Driver:
                         next_index += 1
                         continue
                     self.active.add(index)
+                    losses_in_a_row = 0
                     self.env_steps += result["env_steps"]
                     self.replay_transitions += result["transitions_sent"]
                     self.episodes += len(result["episode_returns"])

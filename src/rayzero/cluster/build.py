@@ -11,9 +11,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayzero.actors.evaluate import EvalWorker
 from rayzero.actors.selfplay import SelfPlayWorker
-from rayzero.config import ClusterConfig, Config
+from rayzero.config import ClusterConfig, Config, ConfigError
 from rayzero.envs import EnvSpec
 from rayzero.inference.server import InferenceServer
+from rayzero.learner.group import LearnerGroup
 from rayzero.learner.learner import Learner
 from rayzero.replay.buffer import ReplayBuffer
 
@@ -93,10 +94,7 @@ def build(config: Config, spec: EnvSpec) -> Handles:
     # land in the driver's run directory.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     replay = ray.remote(ReplayBuffer).options(**p.replay, scheduling_strategy=here).remote(config.replay, seed)
-    learner_cfg = dataclasses.replace(config.learner, device=p.learner_device)
-    learner = ray.remote(Learner).options(**p.learner).remote(
-        config.model, learner_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads
-    )
+    learner = build_learner_group(config, spec, p)
     evaluator = ray.remote(EvalWorker).options(**p.evaluator).remote(
         config.env, config.model, config.search, config.replay.discount, c.torch_threads
     )
@@ -115,6 +113,25 @@ def build(config: Config, spec: EnvSpec) -> Handles:
         request_resources(bundles=[{"CPU": c.selfplay_cpus}] * target)
     selfplay = [make_selfplay(config, p, replay, inference, i) for i in range(target)]
     return Handles(replay, learner, selfplay, evaluator, inference, p)
+
+
+def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root: str | None = None) -> Any:
+    """The learner role: a `Learner` actor when cluster.num_learners == 1, else a `LearnerGroup` actor of
+    that many DDP ranks (each with the plan's learner CPUs and GPUs, in one STRICT_PACK placement group).
+    Both answer train/weights/set_weights/counters/save/load with `.remote(...)`."""
+    learner_cfg = dataclasses.replace(config.learner, device=p.learner_device)
+    if learner_cfg.target_update_interval and not config.replay.bootstrap_obs:
+        raise ConfigError("learner.target_update_interval > 0 needs replay.bootstrap_obs=true")
+    if learner_cfg.consistency_weight > 0 and not config.replay.next_obs:
+        raise ConfigError("learner.consistency_weight > 0 needs replay.next_obs=true")
+    c, seed = config.cluster, config.run.seed
+    args = (config.model, learner_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads)
+    if c.num_learners == 1:
+        return ray.remote(Learner).options(**p.learner).remote(*args)
+    return ray.remote(LearnerGroup).options(num_cpus=0, max_restarts=0).remote(
+        *args, num_learners=c.num_learners, gpus_per_rank=p.learner.get("num_gpus", 0.0),
+        cpus_per_rank=p.learner.get("num_cpus", 1.0), checkpoint_root=checkpoint_root,
+    )
 
 
 def make_selfplay(config: Config, p: Plan, replay: Any, inference: Any, index: int) -> Any:

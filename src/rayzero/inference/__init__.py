@@ -1,5 +1,8 @@
-"""The central inference role (dynamic batching, latent pool, weight swaps)."""
+"""The central inference role: dynamic batching, CUDA-graph buckets, latent pool, cache, whole searches."""
 
-from rayzero.inference.server import InferenceError, InferenceServer, LatentPool, bucket_ladder
+from rayzero.inference.cache import EvalCache
+from rayzero.inference.errors import InferenceError
+from rayzero.inference.pool import LatentPool
+from rayzero.inference.server import InferenceServer, bucket_ladder
 
-__all__ = ["InferenceError", "InferenceServer", "LatentPool", "bucket_ladder"]
+__all__ = ["EvalCache", "InferenceError", "InferenceServer", "LatentPool", "bucket_ladder"]

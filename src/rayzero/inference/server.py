@@ -1,16 +1,26 @@
-"""The central inference role: batches requests from many self-play actors into one network call.
+"""The central inference actor: batches requests from many self-play actors into bucketed network calls.
 
-Requests (initial inference from observations, recurrent inference from latent handles plus actions) enter
-an asyncio queue. The batcher takes the first request, gathers more of the same kind until the rows reach
-the largest bucket of the ladder or `max_wait_us` has passed, pads the rows up to a bucket size, runs the
-network on one dedicated thread (never on the event loop), and answers each request with its own rows.
+Shapes: B = rows of a request, A = actions, M = inference.max_batch.
+Three request kinds, all async methods (the class runs as a Ray async actor, or in-process under asyncio):
+  initial(client, obs [B, *obs]) -> handles [B], value [B], reward [B] (0), policy_logits [B, A], version
+  recurrent(client, handles [B], actions [B], store=True) -> the same for the next states
+  search(client, obs [B, *obs], invalid_actions [B, A] | None, **search overrides)
+      -> action [B], action_weights [B, A], visit_counts [B, A], root_value [B], version
 
-Latents never leave this actor: they live in a preallocated pool on the device, and clients hold slot
-handles. A client's slots are freed by `release(client_id)`; a client that disappears without releasing
-is reclaimed oldest-first when the pool runs short. An exhausted pool fails only the request that asked.
+This module owns the request side: validation (a bad request fails alone, with an InferenceError), the
+queues, the batcher, the latent-pool bookkeeping (pool.py), the evaluation cache (cache.py), weights,
+metrics and the trace. The device side (CUDA graphs per bucket, pinned double-buffered copies on their own
+stream, bf16 trunk with fp32 heads, whole searches as graph replays) is runner.py.
 
-This is the CPU version; CUDA graphs per bucket, bf16 trunks and pinned double buffers plug in behind
-`_run_batch` (the inference issue).
+Batching: requests wait in one queue per kind (a search config is its own kind). The batcher serves the
+kind whose oldest request is oldest; with nothing in flight it waits until M rows are queued or the oldest
+request has waited `max_wait_us`; with a batch in flight it takes what is queued at once. GPU work runs on
+one dedicated thread: each step launches batch k+1 and then waits for batch k, so the upload and host
+work of k+1 overlap the device work of k (two batches in flight at most).
+
+Latents never leave the actor: initial and recurrent write them into the device pool and answer with slot
+handles; `release(client)` frees a client's slots (see pool.py for LRU and timeout reclamation).
+`recurrent(..., store=False)` does not keep the next latents (leaves that will never be expanded).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import time
 from typing import Any
 
@@ -25,15 +36,17 @@ import numpy as np
 import torch
 
 from rayzero.config import InferenceConfig, ModelConfig
+from rayzero.inference.cache import EvalCache, row_key
+from rayzero.inference.errors import InferenceError
+from rayzero.inference.pool import LatentPool
+from rayzero.inference.runner import Flight, Runner, is_cuda
 from rayzero.learner.learner import resolve_device
 from rayzero.models import build_model
-
-
-class InferenceError(ValueError):
-    """A request was malformed or could not be served; only that request fails."""
+from rayzero.tree import SearchConfig
 
 
 def bucket_ladder(min_bucket: int, max_batch: int) -> list[int]:
+    """Bucket sizes: min_bucket doubling up to (and always including) max_batch."""
     sizes, size = [], min_bucket
     while size < max_batch:
         sizes.append(size)
@@ -42,243 +55,481 @@ def bucket_ladder(min_bucket: int, max_batch: int) -> list[int]:
     return sizes
 
 
-class LatentPool:
-    """Fixed slots of latent states on the device; handles are slot indices."""
+@dataclasses.dataclass
+class _Request:
+    key: Any  # 'initial', 'recurrent' or ('search', SearchConfig)
+    client: str
+    payload: Any
+    rows: int
+    future: asyncio.Future
+    submitted: float
 
-    def __init__(self, size: int, device: torch.device):
-        self.size = size
-        self.device = device
-        self.latents: torch.Tensor | None = None
-        self.free = list(range(size - 1, -1, -1))
-        self.owned: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
 
-    def allocate(self, client: str, latents: torch.Tensor) -> np.ndarray:
-        count = latents.shape[0]
-        if self.latents is None:
-            self.latents = torch.zeros(self.size, *latents.shape[1:], dtype=latents.dtype, device=self.device)
-        if latents.shape[1:] != self.latents.shape[1:]:
-            raise InferenceError(f"latent shape {tuple(latents.shape[1:])} does not match the pool's")
-        # Reclaim the least recently active other clients until there is room.
-        while len(self.free) < count and any(c != client for c in self.owned):
-            oldest = next(c for c in self.owned if c != client)
-            self.release(oldest)
-        if len(self.free) < count:
-            raise InferenceError(
-                f"latent pool exhausted: {count} slots asked, {len(self.free)} free of inference.latent_pool_size="
-                f"{self.size}; release finished searches or raise inference.latent_pool_size"
-            )
-        slots = [self.free.pop() for _ in range(count)]
-        self.owned.setdefault(client, []).extend(slots)
-        self.owned.move_to_end(client)
-        index = torch.tensor(slots, device=self.device)
-        self.latents[index] = latents
-        return np.asarray(slots, dtype=np.int64)
-
-    def gather(self, client: str, handles: np.ndarray) -> torch.Tensor:
-        if self.latents is None or handles.size == 0:
-            raise InferenceError("unknown latent handles: nothing was allocated")
-        if handles.min() < 0 or handles.max() >= self.size:
-            raise InferenceError(f"latent handle out of range [0, {self.size}): {handles.min()}..{handles.max()}")
-        mine = self.owned.get(client)
-        if mine is None or not np.isin(handles, mine).all():
-            raise InferenceError(f"unknown latent handles for client {client!r} (released or never allocated)")
-        self.owned.move_to_end(client)
-        return self.latents[torch.as_tensor(handles, device=self.device)]
-
-    def release(self, client: str) -> int:
-        slots = self.owned.pop(client, [])
-        self.free.extend(slots)
-        return len(slots)
+@dataclasses.dataclass
+class _Batch:
+    key: Any
+    kind: str
+    requests: list[_Request]
+    results: list[Any]
+    live: list[int] = dataclasses.field(default_factory=list)  # requests that reached the device
+    handles: list[np.ndarray] = dataclasses.field(default_factory=list)  # per live request
+    flight: Flight | None = None
+    plan: dict[str, Any] | None = None  # cache plan of an initial batch
+    version: int = 0
+    launched: float = 0.0
+    host_s: float = 0.0
 
 
 class InferenceServer:
     def __init__(self, model_cfg: ModelConfig, cfg: InferenceConfig, obs_shape: tuple[int, ...], num_actions: int,
-                 seed: int = 0, torch_threads: int = 1):
+                 seed: int = 0, torch_threads: int = 1, *, obs_dtype: Any = None,
+                 search_cfg: SearchConfig | None = None, discount: float = 0.997):
+        """obs_dtype: of the observations (default uint8 for [C, H, W], float32 otherwise); search_cfg and
+        discount: of whole-search requests (the run's `search` section and `replay.discount`)."""
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.obs_shape = tuple(obs_shape)
         self.num_actions = num_actions
+        default = np.uint8 if len(self.obs_shape) == 3 else np.float32
+        self.obs_dtype = np.dtype(obs_dtype if obs_dtype is not None else default)
+        self.search_cfg = search_cfg if search_cfg is not None else SearchConfig()
         self.model = build_model(model_cfg, obs_shape, num_actions).to(self.device).eval()
-        self.pool = LatentPool(cfg.latent_pool_size, self.device)
+        self.pool = LatentPool(cfg.latent_pool_size, cfg.latent_timeout_s)
+        self.cache = EvalCache(cfg.cache_size, num_actions) if cfg.cache_size else None
         self.ladder = bucket_ladder(cfg.min_bucket, cfg.max_batch)
         self.version = 0
-        self.gpu = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
-        self.queue: asyncio.Queue | None = None
-        self.batcher: asyncio.Task | None = None
+        cuda = is_cuda(self.device)
+        self.gpu = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="inference-gpu",
+            initializer=(lambda: torch.cuda.set_device(self.device)) if cuda else None)
+        self.runner: Runner = self.gpu.submit(
+            Runner, self.model, cfg, self.obs_shape, self.obs_dtype, num_actions, self.ladder, self.search_cfg,
+            discount, seed).result()
+        if self.cache is not None:
+            self.gpu.submit(self.runner.enable_cache, cfg.cache_size).result()
+        self._queues: dict[Any, collections.deque[_Request]] = {}
+        self._queued_rows: collections.Counter = collections.Counter()
+        self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.metrics: dict[int, dict[str, float]] = {b: {"count": 0, "rows": 0, "padded": 0, "wait_s": 0.0,
-                                                          "compute_s": 0.0} for b in self.ladder}
+        self.batcher: asyncio.Task | None = None
+        self.metrics: dict[str, dict[str, float]] = {}
         self.errors = 0
+        self.requests = 0
+        self._t0 = time.perf_counter()
+        self._trace: list[dict[str, Any]] | None = None
 
     # -- public API (async actor methods) -------------------------------------------------------------
 
     async def initial(self, client: str, obs: np.ndarray) -> dict[str, np.ndarray]:
+        """obs [B, *obs_shape] -> {handles [B], value [B], reward [B], policy_logits [B, A], version}."""
+        obs = self._checked(self._check_obs, "initial", obs)
+        if len(obs) == 0:
+            return self._empty(handles=True)
+        return await self._submit("initial", client, obs, len(obs))
+
+    async def recurrent(self, client: str, handles: np.ndarray, actions: np.ndarray,
+                        store: bool = True) -> dict[str, np.ndarray]:
+        """handles [B] (this client's slots), actions [B] -> the next states' outputs and handles.
+
+        store=False: the next latents are not kept (handles come back as -1), for leaves never expanded.
+        """
+        payload = self._checked(self._check_recurrent, handles, actions)
+        if len(payload[0]) == 0:
+            return self._empty(handles=True)
+        return await self._submit("recurrent", client, (*payload, bool(store)), len(payload[0]))
+
+    async def search(self, client: str, obs: np.ndarray, invalid_actions: np.ndarray | None = None,
+                     **overrides: Any) -> dict[str, np.ndarray]:
+        """A whole search for B roots: obs [B, *obs_shape], invalid_actions [B, A] bool (True = illegal).
+
+        overrides: SearchConfig fields for this request (e.g. temperature=0.5, num_simulations=25); a new
+        combination captures its CUDA graphs on first use. Returns action [B] int64, action_weights [B, A],
+        visit_counts [B, A] int64, root_value [B], version.
+        """
+        obs = self._checked(self._check_obs, "search", obs)
+        mask = self._checked(self._check_mask, invalid_actions, len(obs))
         try:
-            obs = self._check_initial(obs)
-        except InferenceError:
+            config = dataclasses.replace(self.search_cfg, **overrides) if overrides else self.search_cfg
+        except (TypeError, ValueError) as error:
             self.errors += 1
-            raise
-        return await self._submit("initial", client, obs)
-
-    def _check_initial(self, obs: np.ndarray) -> np.ndarray:
-        obs = np.asarray(obs)
-        if obs.ndim != len(self.obs_shape) + 1 or tuple(obs.shape[1:]) != self.obs_shape:
-            raise InferenceError(f"initial: obs shape {obs.shape} must be [B, {', '.join(map(str, self.obs_shape))}]")
-        if obs.dtype.kind == "f" and not np.isfinite(obs).all():
-            raise InferenceError("initial: obs contains NaN or inf")
-        return obs
-
-    async def recurrent(self, client: str, handles: np.ndarray, actions: np.ndarray) -> dict[str, np.ndarray]:
-        try:
-            payload = self._check_recurrent(handles, actions)
-        except InferenceError:
-            self.errors += 1
-            raise
-        return await self._submit("recurrent", client, payload)
-
-    def _check_recurrent(self, handles: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        handles, actions = np.asarray(handles), np.asarray(actions)
-        if handles.ndim != 1 or actions.shape != handles.shape or actions.dtype.kind not in "iu":
-            raise InferenceError(
-                f"recurrent: handles {handles.shape} and actions {actions.shape} ({actions.dtype}) must be "
-                "equal-length 1-D integer arrays"
-            )
-        if actions.size and (actions.min() < 0 or actions.max() >= self.num_actions):
-            raise InferenceError(f"recurrent: actions must be in [0, {self.num_actions})")
-        return handles.astype(np.int64), actions.astype(np.int64)
+            raise InferenceError(f"search: bad search config override {overrides}: {error}") from None
+        if len(obs) == 0:
+            return {"action": np.zeros(0, np.int64), "action_weights": np.zeros((0, self.num_actions), np.float32),
+                    "visit_counts": np.zeros((0, self.num_actions), np.int64), "root_value": np.zeros(0, np.float32),
+                    "version": self.version}
+        return await self._submit(("search", config), client, (obs, mask), len(obs))
 
     async def release(self, client: str) -> int:
+        """Free every latent slot of `client` (call when its search ends); returns how many."""
         return self.pool.release(client)
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
-        # In place, between batches (on the GPU thread), so that captured graphs keep pointing at the weights.
-        def copy() -> None:
-            with torch.no_grad():
-                for name, tensor in self.model.state_dict().items():
-                    tensor.copy_(state_dict[name])
-            self.version = version
+        """Copy `state_dict` into the served model in place, between batches; returns the version now served.
 
-        self.gpu.submit(copy).result()
+        Batches launched before the call are computed with the old weights, later ones with the new; every
+        answer carries the version it was computed with. The evaluation cache is cleared.
+        """
+        def swap() -> None:
+            self.runner.set_weights(state_dict)
+            self.version = version
+            if self.cache is not None:
+                self.cache.clear()
+
+        self.gpu.submit(swap).result()
         return version
 
     def get_version(self) -> int:
         return self.version
 
     def stats(self) -> dict[str, Any]:
-        return {"version": self.version, "errors": self.errors, "buckets": self.metrics,
-                "free_slots": len(self.pool.free)}
+        """Version, error and request counts, per-bucket metrics, pool and cache state."""
+        buckets = {}
+        for key, m in self.metrics.items():
+            served = m["rows"] + m["padded"]
+            buckets[key] = {**m, "padding_fraction": m["padded"] / served if served else 0.0,
+                            "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
+                            "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
+        return {"version": self.version, "errors": self.errors, "requests": self.requests, "buckets": buckets,
+                "free_slots": self.pool.free, "clients": self.pool.clients,
+                "reclaimed_clients": self.pool.reclaimed_clients, "device": str(self.device),
+                "cuda_graphs": len(self.runner.graphs), "search_graphs": len(self.runner.searches),
+                "capture_s": self.runner.capture_s,
+                "cache": self.cache.stats() if self.cache is not None else None}
+
+    def start_trace(self) -> None:
+        """Record the batcher's timeline (queueing, launches, device work, waits) from now on."""
+        self._trace = []
+
+    def stop_trace(self) -> dict[str, Any]:
+        """The recorded timeline as a Chrome trace ({'traceEvents': [...]}, chrome://tracing or Perfetto)."""
+        events, self._trace = self._trace or [], None
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def profile(self, kind: str, bucket: int, iters: int = 20, graph: bool = True) -> float:
+        """Benchmarks: seconds per (kind, bucket) call back to back on the device (see Runner.profile)."""
+        return self.gpu.submit(self.runner.profile, kind, bucket, iters, graph).result()
+
+    # -- validation --------------------------------------------------------------------------------------
+
+    def _checked(self, check, *args):
+        try:
+            return check(*args)
+        except InferenceError:
+            self.errors += 1
+            raise
+
+    def _empty(self, handles: bool) -> dict[str, np.ndarray]:
+        out = {"value": np.zeros(0, np.float32), "reward": np.zeros(0, np.float32),
+               "policy_logits": np.zeros((0, self.num_actions), np.float32), "version": self.version}
+        if handles:
+            out["handles"] = np.zeros(0, np.int64)
+        return out
+
+    def _check_obs(self, kind: str, obs: np.ndarray) -> np.ndarray:
+        obs = np.asarray(obs)
+        if obs.ndim != len(self.obs_shape) + 1 or tuple(obs.shape[1:]) != self.obs_shape:
+            raise InferenceError(f"{kind}: obs shape {obs.shape} must be [B, {', '.join(map(str, self.obs_shape))}]")
+        if obs.dtype.kind not in "biuf" or not np.can_cast(obs.dtype, self.obs_dtype, casting="same_kind"):
+            raise InferenceError(f"{kind}: obs dtype {obs.dtype} cannot be served as {self.obs_dtype}")
+        if obs.dtype.kind == "f" and not np.isfinite(obs).all():
+            raise InferenceError(f"{kind}: obs contains NaN or inf")
+        if self.obs_dtype.kind in "iu" and obs.dtype != self.obs_dtype and obs.size:
+            info = np.iinfo(self.obs_dtype)
+            if obs.min() < info.min or obs.max() > info.max:
+                raise InferenceError(f"{kind}: obs values outside the range of {self.obs_dtype}")
+        return obs
+
+    def _check_mask(self, mask: np.ndarray | None, rows: int) -> np.ndarray | None:
+        if mask is None:
+            return None
+        mask = np.asarray(mask)
+        if mask.shape != (rows, self.num_actions) or mask.dtype != np.bool_:
+            raise InferenceError(f"search: invalid_actions must be bool [{rows}, {self.num_actions}], got "
+                                 f"{mask.dtype} {mask.shape}")
+        if mask.all(axis=1).any():
+            raise InferenceError(f"search: invalid_actions marks every action invalid in rows "
+                                 f"{np.flatnonzero(mask.all(axis=1))[:10].tolist()}")
+        return mask
+
+    def _check_recurrent(self, handles: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        handles, actions = np.asarray(handles), np.asarray(actions)
+        if (handles.ndim != 1 or actions.shape != handles.shape or actions.dtype.kind not in "iu"
+                or handles.dtype.kind not in "iu"):
+            raise InferenceError(
+                f"recurrent: handles {handles.shape} ({handles.dtype}) and actions {actions.shape} ({actions.dtype}) "
+                "must be equal-length 1-D integer arrays"
+            )
+        if actions.size and (actions.min() < 0 or actions.max() >= self.num_actions):
+            raise InferenceError(f"recurrent: actions must be in [0, {self.num_actions})")
+        return handles.astype(np.int64), actions.astype(np.int64)
 
     # -- batching ------------------------------------------------------------------------------------
 
-    async def _submit(self, kind: str, client: str, payload: Any) -> dict[str, np.ndarray]:
+    async def _submit(self, key: Any, client: str, payload: Any, rows: int) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
-        if self.queue is None or self._loop is not loop:
+        if self._loop is not loop:
             # One batcher per event loop (a Ray async actor has one; in-process callers may start several).
             self._loop = loop
-            self.queue = asyncio.Queue()
+            self._queues, self._queued_rows = {}, collections.Counter()
+            self._wake = asyncio.Event()
             self.batcher = loop.create_task(self._batch_loop())
-        future = asyncio.get_running_loop().create_future()
-        await self.queue.put((kind, client, payload, future, time.perf_counter()))
+        future = loop.create_future()
+        self._queues.setdefault(key, collections.deque()).append(
+            _Request(key, client, payload, rows, future, time.perf_counter()))
+        self._queued_rows[key] += rows
+        self.requests += 1
+        self._wake.set()
         try:
             return await future
         except InferenceError:
             self.errors += 1
             raise
 
-    @staticmethod
-    def _rows(kind: str, payload: Any) -> int:
-        return len(payload) if kind == "initial" else len(payload[0])
+    def _oldest_key(self) -> Any:
+        heads = [(q[0].submitted, i, k) for i, (k, q) in enumerate(self._queues.items()) if q]
+        return min(heads)[2] if heads else None
+
+    def _limit(self, key: Any) -> int:
+        if isinstance(key, tuple) and self.cfg.search_max_batch > 0:
+            return self.cfg.search_max_batch
+        return self.cfg.max_batch
+
+    async def _fill(self, key: Any) -> None:
+        """Wait until `key` has a full batch queued or its oldest request has waited max_wait_us."""
+        deadline = self._queues[key][0].submitted + self.cfg.max_wait_us / 1e6
+        while self._queued_rows[key] < self._limit(key):
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _take(self, key: Any) -> list[_Request]:
+        queue, limit = self._queues[key], self._limit(key)
+        batch, rows = [queue.popleft()], 0
+        rows = batch[0].rows
+        while queue and rows + queue[0].rows <= limit:
+            rows += queue[0].rows
+            batch.append(queue.popleft())
+        self._queued_rows[key] -= rows
+        if not queue:
+            del self._queues[key]
+        return batch
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        held = None
+        inflight: _Batch | None = None
         while True:
-            first = held or await self.queue.get()
-            held = None
-            batch, rows = [first], self._rows(first[0], first[2])
-            deadline = loop.time() + self.cfg.max_wait_us / 1e6
-            while rows < self.cfg.max_batch:
-                try:
-                    item = self.queue.get_nowait() if loop.time() >= deadline else await asyncio.wait_for(
-                        self.queue.get(), deadline - loop.time())
-                except (asyncio.TimeoutError, asyncio.QueueEmpty):
-                    break
-                if item[0] != first[0] or rows + self._rows(item[0], item[2]) > self.cfg.max_batch:
-                    held = item  # another kind or too big: it starts the next batch
-                    break
-                batch.append(item)
-                rows += self._rows(item[0], item[2])
-            try:
-                results = await loop.run_in_executor(self.gpu, self._run_batch, first[0], batch)
-            except Exception as error:  # noqa: BLE001 - one bad batch must not kill the actor
-                results = [error] * len(batch)
-            for (_, _, _, future, _), result in zip(batch, results):
-                if future.done():
+            key = self._oldest_key()
+            if key is None:
+                if inflight is not None:
+                    done = inflight
+                    inflight = None
+                    self._deliver(done, await loop.run_in_executor(self.gpu, self._finish, done))
                     continue
-                if isinstance(result, Exception):
-                    future.set_exception(result if isinstance(result, InferenceError) else InferenceError(str(result)))
-                else:
-                    future.set_result(result)
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if inflight is None:
+                await self._fill(key)
+            requests = self._take(key)
+            launched, finished = await loop.run_in_executor(self.gpu, self._step, key, requests, inflight)
+            if inflight is not None:
+                self._deliver(inflight, finished)
+            inflight = launched
 
-    def _bucket(self, rows: int) -> int:
-        for size in self.ladder:
-            if rows <= size:
-                return size
-        return rows
+    def _step(self, key: Any, requests: list[_Request], inflight: _Batch | None) -> tuple[_Batch, list | None]:
+        """GPU thread: launch the new batch, then wait for and unpack the one in flight."""
+        launched = self._launch(key, requests)
+        return launched, (self._finish(inflight) if inflight is not None else None)
 
-    @torch.inference_mode()
-    def _run_batch(self, kind: str, batch: list) -> list:
-        start = time.perf_counter()
-        results: list = [None] * len(batch)
-        # Requests whose handles are bad fail alone; the others still run.
-        inputs, good = [], []
-        for i, (_, client, payload, _, _) in enumerate(batch):
-            try:
-                if kind == "initial":
-                    inputs.append(torch.as_tensor(payload, device=self.device))
-                else:
-                    handles, actions = payload
-                    inputs.append((self.pool.gather(client, handles), torch.as_tensor(actions, device=self.device)))
-                good.append(i)
-            except InferenceError as error:
-                results[i] = error
-        if not good:
-            return results
-        rows = sum(self._rows(kind, batch[i][2]) for i in good)
-        bucket = self._bucket(rows)
-        if kind == "initial":
-            x = torch.cat(inputs)
-            x = torch.cat([x, x[-1:].expand(bucket - rows, *x.shape[1:])]) if bucket > rows else x
-            out = self.model.initial(x)
-        else:
-            latents = torch.cat([latent for latent, _ in inputs])
-            actions = torch.cat([action for _, action in inputs])
-            if bucket > rows:
-                latents = torch.cat([latents, latents[-1:].expand(bucket - rows, *latents.shape[1:])])
-                actions = torch.cat([actions, actions[-1:].expand(bucket - rows)])
-            out = self.model.recurrent(latents, actions)
-        value, reward = out.value[:rows].float().cpu().numpy(), out.reward[:rows].float().cpu().numpy()
-        logits = out.policy_logits[:rows].float().cpu().numpy()
-        offset = 0
-        for i in good:
-            n = self._rows(kind, batch[i][2])
-            sl = slice(offset, offset + n)
-            if not (np.isfinite(value[sl]).all() and np.isfinite(logits[sl]).all()):
-                results[i] = InferenceError(f"{kind}: the network produced NaN for this request (NaN input?)")
+    @staticmethod
+    def _deliver(batch: _Batch, results: list) -> None:
+        for request, result in zip(batch.requests, results):
+            if request.future.done():
+                continue
+            if isinstance(result, Exception):
+                if not isinstance(result, InferenceError):
+                    result = InferenceError(f"{batch.kind}: {type(result).__name__}: {result}")
+                request.future.set_exception(result)
             else:
-                try:
-                    handles = self.pool.allocate(batch[i][1], out.latent[offset:offset + n])
-                    results[i] = {"handles": handles, "value": value[sl], "reward": reward[sl],
-                                  "policy_logits": logits[sl]}
-                except InferenceError as error:
-                    results[i] = error
+                request.future.set_result(result)
+
+    # -- launch and finish (GPU thread) ---------------------------------------------------------------------
+
+    def _launch(self, key: Any, requests: list[_Request]) -> _Batch:
+        start = time.perf_counter()
+        kind = key if isinstance(key, str) else "search"
+        batch = _Batch(key, kind, requests, [None] * len(requests), version=self.version, launched=start)
+        try:
+            if kind == "initial":
+                self._launch_initial(batch)
+            elif kind == "recurrent":
+                self._launch_recurrent(batch)
+            else:
+                self._launch_search(batch)
+        except Exception as error:  # noqa: BLE001 - one bad batch must not kill the actor
+            batch.flight = None
+            batch.results = [r if isinstance(r, Exception) else error for r in batch.results]
+        batch.host_s = time.perf_counter() - start
+        if self._trace is not None:
+            self._span("queue", min(r.submitted for r in requests), start, "batcher", rows=sum(r.rows for r in requests))
+            self._span(f"launch {kind}", start, start + batch.host_s, "gpu thread")
+        return batch
+
+    def _launch_recurrent(self, batch: _Batch) -> None:
+        src, actions, dst = [], [], []
+        for i, request in enumerate(batch.requests):
+            handles, acts, store = request.payload
+            try:
+                self.pool.check(request.client, handles)
+                slots = self.pool.allocate(request.client, len(handles)) if store else np.full(len(handles), -1)
+            except InferenceError as error:
+                batch.results[i] = error
+                continue
+            batch.live.append(i)
+            batch.handles.append(slots)
+            src.append(handles)
+            actions.append(acts)
+            dst.append(slots)
+        if batch.live:
+            batch.flight = self.runner.launch_recurrent(np.concatenate(src), np.concatenate(actions),
+                                                        np.concatenate(dst))
+
+    def _allocate_all(self, batch: _Batch) -> None:
+        for i, request in enumerate(batch.requests):
+            try:
+                slots = self.pool.allocate(request.client, request.rows)
+            except InferenceError as error:
+                batch.results[i] = error
+                continue
+            batch.live.append(i)
+            batch.handles.append(slots)
+
+    def _launch_initial(self, batch: _Batch) -> None:
+        self._allocate_all(batch)
+        if not batch.live:
+            return
+        obs = [batch.requests[i].payload for i in batch.live]
+        dst = np.concatenate(batch.handles)
+        if self.cache is None:
+            batch.flight = self.runner.launch_initial(obs, dst)
+            return
+        # Lookups first, then inserts (first occurrence of each missing key), so that a batch's hits never
+        # see its own inserts: the device copies hits before inserts, and _finish reads hits before writing.
+        keys = [row_key(row) for part in obs for row in part]
+        entry = self.cache.lookup(keys)
+        hit = entry >= 0
+        insert = np.full(len(keys), -1, dtype=np.int64)
+        fresh: set[bytes] = set()
+        for pos in np.flatnonzero(~hit):
+            if keys[pos] not in fresh:
+                fresh.add(keys[pos])
+                insert[pos] = self.cache.insert(keys[pos])
+        inserted = insert >= 0
+        parts, offset = [], 0
+        for part in obs:
+            miss = ~hit[offset:offset + len(part)]
+            parts.append(part if miss.all() else part[miss])
+            offset += len(part)
+        cache_ops = {"hit_src": entry[hit], "hit_dst": dst[hit], "ins_entry": insert[inserted],
+                     "ins_slot": dst[inserted]}
+        batch.plan = {"keys": keys, "entry": entry, "hit": hit, "insert": insert}
+        batch.flight = self.runner.launch_initial(parts, dst[~hit], cache_ops)
+
+    def _launch_search(self, batch: _Batch) -> None:
+        batch.live = list(range(len(batch.requests)))
+        obs = [r.payload[0] for r in batch.requests]
+        masks = [r.payload[1] for r in batch.requests]
+        mask = None
+        if any(m is not None for m in masks):
+            mask = np.concatenate([m if m is not None else np.zeros((len(o), self.num_actions), bool)
+                                   for m, o in zip(masks, obs)])
+        batch.flight = self.runner.launch_search(obs, mask, batch.key[1])
+
+    def _finish(self, batch: _Batch) -> list:
+        """GPU thread: wait for the batch's outputs and split them into per-request answers."""
+        try:
+            if batch.flight is not None:
+                wait_start = time.perf_counter()
+                outputs = self.runner.wait(batch.flight)
+                if self._trace is not None:
+                    self._span("wait", wait_start, time.perf_counter(), "gpu thread")
+                    span = self.runner.device_span(batch.flight)
+                    if span is not None:
+                        f = batch.flight
+                        self._span(f"{f.kind} {f.rows}/{f.bucket}{' graph' if f.graph else ''}", *span, "device",
+                                   rows=f.rows, bucket=f.bucket)
+                if batch.kind == "search":
+                    self._split_search(batch, outputs)
+                else:
+                    self._split_net(batch, outputs)
+                self._record(batch)
+        except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
+            batch.results = [r if r is not None else error for r in batch.results]
+        return batch.results
+
+    def _split_net(self, batch: _Batch, outputs: dict[str, np.ndarray]) -> None:
+        out = outputs["out"]
+        if batch.plan is None:
+            value, reward, logits = out[:, 0], out[:, 1], out[:, 2:]
+        else:  # initial with the cache: assemble network rows and cached rows, then store the new entries
+            plan, cache = batch.plan, self.cache
+            hit, entry, insert = plan["hit"], plan["entry"], plan["insert"]
+            value = np.empty(len(hit), np.float32)
+            logits = np.empty((len(hit), self.num_actions), np.float32)
+            value[~hit], logits[~hit] = out[:, 0], out[:, 2:]
+            value[hit], logits[hit] = cache.value[entry[hit]], cache.logits[entry[hit]]
+            rows = insert >= 0
+            cache.value[insert[rows]] = value[rows]
+            cache.logits[insert[rows]] = logits[rows]
+            reward = np.zeros(len(hit), np.float32)
+        offset = 0
+        for i, handles in zip(batch.live, batch.handles):
+            n = len(handles)
+            sl = slice(offset, offset + n)
             offset += n
-        stats = self.metrics.setdefault(bucket, {"count": 0, "rows": 0, "padded": 0, "wait_s": 0.0, "compute_s": 0.0})
-        stats["count"] += 1
-        stats["rows"] += rows
-        stats["padded"] += bucket - rows
-        stats["wait_s"] += sum(start - item[4] for item in batch)
-        stats["compute_s"] += time.perf_counter() - start
-        return results
+            if not (np.isfinite(value[sl]).all() and np.isfinite(logits[sl]).all()):
+                batch.results[i] = InferenceError(f"{batch.kind}: the network produced NaN for this request (NaN input?)")
+                if batch.plan is not None:
+                    for pos in range(sl.start, sl.stop):
+                        if batch.plan["insert"][pos] >= 0:
+                            self.cache.drop(batch.plan["keys"][pos])
+                continue
+            batch.results[i] = {"handles": handles, "value": value[sl].copy(), "reward": reward[sl].copy(),
+                                "policy_logits": logits[sl].copy(), "version": batch.version}
+
+    def _split_search(self, batch: _Batch, outputs: dict[str, np.ndarray]) -> None:
+        offset = 0
+        for i, request in enumerate(batch.requests):
+            sl = slice(offset, offset + request.rows)
+            offset += request.rows
+            answer = {name: array[sl].copy() for name, array in outputs.items()}
+            if not (np.isfinite(answer["root_value"]).all() and np.isfinite(answer["action_weights"]).all()):
+                batch.results[i] = InferenceError("search: the search produced NaN for this request (NaN input?)")
+                continue
+            answer["version"] = batch.version
+            batch.results[i] = answer
+
+    def _record(self, batch: _Batch) -> None:
+        flight = batch.flight
+        name = f"{batch.kind}/{flight.bucket}"
+        m = self.metrics.setdefault(name, {"count": 0, "requests": 0, "rows": 0, "padded": 0, "graph": 0,
+                                           "wait_s": 0.0, "gpu_s": 0.0, "host_s": 0.0})
+        m["count"] += 1
+        m["requests"] += len(batch.requests)
+        m["rows"] += flight.rows
+        m["padded"] += flight.bucket - flight.rows if flight.graph else 0
+        m["graph"] += int(flight.graph)
+        m["wait_s"] += sum(batch.launched - r.submitted for r in batch.requests)
+        m["gpu_s"] += flight.gpu_s
+        m["host_s"] += batch.host_s
+
+    def _span(self, name: str, start: float, end: float, thread: str, **args: Any) -> None:
+        self._trace.append({"name": name, "ph": "X", "pid": 0, "tid": thread, "ts": (start - self._t0) * 1e6,
+                            "dur": max(0.0, end - start) * 1e6, "args": args})

@@ -1,12 +1,18 @@
 """The learner role: MuZero updates with AdamW, a weight version counter, save and load.
 
-`Learner` is a plain class (tests use it in-process); `cluster/` makes it a Ray actor. `train` pulls
-batches from a replay actor with the next batch always in flight, so sampling overlaps the update.
+`Learner` is a plain class (tests use it in-process); `cluster/` makes it a Ray actor, or `LearnerGroup`
+(learner/group.py) runs several as DDP ranks. One update (`_update`) is: optional target-network bootstraps,
+the loss module's forward (torch.compile'd on CUDA, eager as a fallback) under bf16 autocast, backward,
+global-norm clipping, AdamW (fused on CUDA). Nothing in it waits for the device: metrics are summed on the
+device and read once per `train` call, priorities go back through `PriorityOutbox`, and batches arrive
+through `Prefetcher` (learner/prefetch.py), so sampling, gathering and the copy overlap the update.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,9 +27,13 @@ from safetensors.torch import load_file, save_file
 
 from rayzero.config import LearnerConfig, ModelConfig
 from rayzero.learner.checkpoint import CheckpointError
-from rayzero.learner.loss import muzero_loss
+from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
+from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
 from rayzero.models import build_model
 from rayzero.replay.buffer import Batch
+
+METRIC_NAMES = ("loss", *STAT_NAMES, "grad_norm", "stale_samples")
+EXTRA_FILE = "learner_extra.safetensors"  # target network and consistency heads (not part of the published net)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,7 +44,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def log(message: str) -> None:
+    print(f"rayzero: learner: {message}", file=sys.stderr, flush=True)
+
+
 class Learner:
+    """One learner (or one DDP rank, with `distributed=True` inside an initialised process group)."""
+
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -43,20 +59,55 @@ class Learner:
         num_actions: int,
         seed: int = 0,
         torch_threads: int = 0,
+        distributed: bool = False,
     ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = build_model(model_cfg, obs_shape, num_actions).to(self.device)
         self.model.train()
+        self.consistency = None
+        if cfg.consistency_weight > 0:
+            with torch.no_grad():
+                features = self.model.represent(torch.zeros(2, *obs_shape, device=self.device)).flatten(1).shape[1]
+            self.consistency = ConsistencyHeads(features, cfg.consistency_dim).to(self.device)
+        self.loss_module = MuZeroLoss(self.model, cfg.value_loss_weight, self.consistency, cfg.consistency_weight)
+        self.world_size, self.rank = 1, 0
+        forward: torch.nn.Module = self.loss_module
+        if distributed:
+            import torch.distributed as dist
+
+            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+            forward = torch.nn.parallel.DistributedDataParallel(
+                self.loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=True, bucket_cap_mb=64,
+            )
+        self._eager = forward
+        use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
+        self._compiled = torch.compile(forward, dynamic=False) if use_compile else None
+        self.compile_state = "pending" if use_compile else "off"  # then "on" or "failed"
+        cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True
+            self.loss_module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+            **({"fused": True} if cuda else {"foreach": True}),
         )
+        self.target = None
+        if cfg.target_update_interval:
+            self.target = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.steps = 0
         self.version = 0
         self.samples = 0
+        self._sums = torch.zeros(len(METRIC_NAMES), device=self.device)
+        self._sum_steps = 0
+        self._staging: Staging | None = None
+        self._prefetcher: Prefetcher | None = None
+        self._outbox: PriorityOutbox | None = None
+
+    # -- one update ------------------------------------------------------------------------------------
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.cfg
@@ -68,73 +119,184 @@ class Learner:
         final = cfg.lr_final_fraction
         return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
-        pin = self.device.type == "cuda"
-        out = {}
-        for name, value in batch._asdict().items():
-            if name in ("indices", "generations"):
-                continue
-            # Arrays from Ray's object store are read-only views; torch needs writable memory.
-            array = np.ascontiguousarray(value)
-            tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
-            if pin:
-                tensor = tensor.pin_memory()
-            out[name] = tensor.to(self.device, non_blocking=True)
-        return out
-
-    def step(self, batch: Batch) -> tuple[dict[str, float], np.ndarray]:
-        """One update; returns (metrics, new priorities [B])."""
-        tensors = self._to_device(batch)
+    def _loss_and_backward(self, tensors: dict[str, torch.Tensor], forward: Any) -> tuple[torch.Tensor, ...]:
         use_bf16 = self.cfg.bf16 and self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            out = muzero_loss(self.model, tensors, self.cfg.value_loss_weight)
-        if not torch.isfinite(out.loss):
-            raise FloatingPointError(f"learner step {self.steps}: loss is {out.loss.item()}")
-        lr = self.cfg.lr * self._lr_factor(self.steps)
+            loss, stats, priorities = forward(tensors)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss, stats, priorities
+
+    def _update(self, tensors: dict[str, torch.Tensor], stale: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on device tensors; returns (priorities [B], metrics [len(METRIC_NAMES)]), unsynced."""
+        cfg = self.cfg
+        if self.target is not None:
+            if "bootstrap_obs" not in tensors:
+                raise ValueError("learner.target_update_interval > 0 needs batches with bootstrap observations: "
+                                 "set replay.bootstrap_obs=true")
+            if self.steps % cfg.target_update_interval == 0:
+                self.sync_target()
+            with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                enabled=cfg.bf16 and self.device.type == "cuda"):
+                boot = bootstrap_values(self.target, tensors["bootstrap_obs"]).float()
+            tensors = dict(tensors, target_values=tensors["target_values"] + tensors["bootstrap_scale"] * boot)
+        if self.consistency is not None and "next_obs" not in tensors:
+            raise ValueError("learner.consistency_weight > 0 needs batches with next observations: "
+                             "set replay.next_obs=true")
+        if self._compiled is not None:
+            try:
+                loss, stats, priorities = self._loss_and_backward(tensors, self._compiled)
+                if self.compile_state == "pending":
+                    self.compile_state = "on"
+            except Exception as error:  # noqa: BLE001 - any compiler failure: fall back to eager, once
+                if self.compile_state != "pending":
+                    raise
+                log(f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0][:300]}); "
+                    "training eagerly")
+                self._compiled, self.compile_state = None, "failed"
+                loss, stats, priorities = self._loss_and_backward(tensors, self._eager)
+        else:
+            loss, stats, priorities = self._loss_and_backward(tensors, self._eager)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if cfg.grad_clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
+        else:
+            grad_norm = torch.zeros((), device=self.device)
+        lr = cfg.lr * self._lr_factor(self.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            if self.cfg.grad_clip
-            else torch.zeros(())
-        )
         self.optimizer.step()
+        with torch.no_grad():
+            metrics = torch.cat([loss.detach().float().view(1), stats.float(), grad_norm.detach().float().view(1),
+                                 torch.full((1,), float(stale), device=self.device)])
+            self._sums += metrics
+        self._sum_steps += 1
         self.steps += 1
-        self.samples += len(batch.indices)
-        metrics = {
-            "loss": out.loss.item(),
-            "policy_loss": out.policy_loss.item(),
-            "value_loss": out.value_loss.item(),
-            "reward_loss": out.reward_loss.item(),
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-        }
-        return metrics, out.priorities.float().cpu().numpy() + 1e-6
+        self.samples += len(tensors["weights"]) * self.world_size
+        return priorities, metrics
 
-    def train(self, replay: Any, num_steps: int) -> dict[str, Any]:
-        """num_steps updates on batches from a replay actor; publishes a new version at the end."""
-        import ray
+    def sync_target(self) -> None:
+        """Copy the network into the target network."""
+        if self.target is not None:
+            with torch.no_grad():
+                for dst, src in zip(self.target.state_dict().values(), self.model.state_dict().values()):
+                    dst.copy_(src)
 
-        start = time.perf_counter()
-        pending = replay.sample.remote(self.cfg.batch_size)
-        totals: dict[str, float] = {}
-        for i in range(num_steps):
-            batch = ray.get(pending)
-            if i + 1 < num_steps:
-                pending = replay.sample.remote(self.cfg.batch_size)
-            metrics, priorities = self.step(batch)
-            replay.update_priorities.remote(batch.indices, batch.generations, priorities)
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value
+    def _read_sums(self) -> dict[str, float]:
+        """Means of the metrics since the last read: the one device sync of a `train` call."""
+        values = self._sums.tolist()
+        count = max(1, self._sum_steps)
+        self._sums.zero_()
+        self._sum_steps = 0
+        if not math.isfinite(values[0]):
+            raise FloatingPointError(f"learner: the loss became {values[0]} by step {self.steps}")
+        result = {name: value / count for name, value in zip(METRIC_NAMES, values)}
+        result["stale_samples"] = values[-1]
+        return result
+
+    def _upload(self, batch: Batch) -> Uploaded:
+        if self._staging is None:
+            self._staging = Staging(self.device)
+        return self._staging.upload(batch)
+
+    def step(self, batch: Batch) -> tuple[dict[str, float], np.ndarray]:
+        """One update on a batch with observations; returns (metrics, new priorities [B]). Waits for the device."""
+        item = self._upload(batch)
+        priorities, metrics = self._update(item.ready(), item.stale)
+        values = metrics.tolist()
+        if not math.isfinite(values[0]):
+            raise FloatingPointError(f"learner step {self.steps - 1}: loss is {values[0]}")
+        self._sums.zero_()
+        self._sum_steps = 0
+        result = dict(zip(METRIC_NAMES, values))
+        result["lr"] = self.cfg.lr * self._lr_factor(self.steps - 1)
+        return result, priorities.float().cpu().numpy() + 1e-6
+
+    # -- remote API ------------------------------------------------------------------------------------
+
+    def _result(self, num_steps: int, start: float, samples_before: int) -> dict[str, Any]:
+        result: dict[str, Any] = self._read_sums()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            # Mean of the ranks' metrics (one small all-reduce per call, after the sync above).
+            keys = [k for k in result if k != "stale_samples"]
+            values = torch.tensor([result[k] for k in keys], dtype=torch.float64)
+            if self.device.type == "cuda":
+                values = values.to(self.device)
+            dist.all_reduce(values)
+            result.update({k: v / self.world_size for k, v in zip(keys, values.tolist())})
         self.version += 1
-        result = {key: value / num_steps for key, value in totals.items()}
+        elapsed = time.perf_counter() - start
         result.update(
+            lr=self.cfg.lr * self._lr_factor(max(0, self.steps - 1)),
             learner_steps=self.steps, version=self.version, samples=self.samples,
-            steps_per_second=num_steps / (time.perf_counter() - start),
+            steps_per_second=num_steps / elapsed,
+            samples_per_second=(self.samples - samples_before) / elapsed,
+            compile=self.compile_state,
         )
         return result
+
+    def train(self, replay: Any, num_steps: int) -> dict[str, Any]:
+        """num_steps updates on batches from a replay actor; publishes a new version at the end.
+
+        Batches come `learner.prefetch` ahead from a background thread (kept between calls); priorities go back
+        without waiting for the device. The device is synced once, at the end.
+        """
+        import ray
+
+        start, samples_before = time.perf_counter(), self.samples
+        if self._outbox is None:
+            self._outbox = PriorityOutbox(self.device)
+        if self.cfg.prefetch == 0:
+            for _ in range(num_steps):
+                item = self._upload(ray.get(replay.sample.remote(self.cfg.batch_size)))
+                priorities, _ = self._update(item.ready(), item.stale)
+                self._outbox.put(replay, item.indices, item.generations, priorities)
+        else:
+            prefetcher = self._prefetcher
+            if prefetcher is None or not prefetcher.alive or prefetcher.replay != replay:
+                if prefetcher is not None:
+                    prefetcher.close()
+                prefetcher = self._prefetcher = Prefetcher(
+                    replay, self.cfg.batch_size, self.device, self.cfg.prefetch, self.cfg.gather_threads
+                )
+            for _ in range(num_steps):
+                item = prefetcher.get()
+                priorities, _ = self._update(item.ready(), item.stale)
+                self._outbox.put(replay, item.indices, item.generations, priorities)
+        result = self._result(num_steps, start, samples_before)
+        self._outbox.flush()
+        result["obs_path"] = "shared" if self._prefetcher is not None and not self._prefetcher.with_obs else "ray"
+        return result
+
+    def train_on(self, batches: list[Batch]) -> dict[str, Any]:
+        """Updates on explicit batches (with observations), in order; the result adds their priorities."""
+        start, samples_before = time.perf_counter(), self.samples
+        priorities = []
+        for batch in batches:
+            item = self._upload(batch)
+            p, _ = self._update(item.ready(), item.stale)
+            priorities.append(p)
+        result = self._result(len(batches), start, samples_before)
+        result["priorities"] = [p.float().cpu().numpy() + 1e-6 for p in priorities]
+        return result
+
+    def bench_steps(self, batch: Batch, num_steps: int, warmup: int = 3) -> dict[str, float]:
+        """Bare update rate on one batch kept on the device (no sampling, no Ray): after `warmup` steps,
+        num_steps updates, one sync. Changes the weights: for benchmarks only."""
+        tensors = self._upload(batch).ready()
+        for _ in range(warmup):
+            self._update(tensors)
+        self._read_sums()
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            self._update(tensors)
+        self._read_sums()
+        elapsed = time.perf_counter() - start
+        size = len(batch.indices) * self.world_size
+        return {"ms_per_step": 1e3 * elapsed / num_steps, "steps_per_second": num_steps / elapsed,
+                "samples_per_second": num_steps * size / elapsed, "compile": self.compile_state}
 
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, CPU state_dict) to publish to self-play and inference."""
@@ -151,11 +313,23 @@ class Learner:
     def counters(self) -> dict[str, int]:
         return {"learner_steps": self.steps, "version": self.version, "samples": self.samples}
 
+    def _extra_modules(self) -> dict[str, torch.nn.Module]:
+        modules: dict[str, torch.nn.Module] = {}
+        if self.target is not None:
+            modules["target"] = self.target
+        if self.consistency is not None:
+            modules["consistency"] = self.consistency
+        return modules
+
     def save(self, directory: str) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
         save_file(state, str(path / "model.safetensors"))
+        extra = {f"{prefix}.{k}": v.detach().cpu().contiguous()
+                 for prefix, module in self._extra_modules().items() for k, v in module.state_dict().items()}
+        if extra:
+            save_file(extra, str(path / EXTRA_FILE))
         torch.save(
             {"optimizer": self.optimizer.state_dict(), "counters": self.counters(), "rng": torch.get_rng_state()},
             path / "optimizer.pt",
@@ -165,15 +339,36 @@ class Learner:
         path = Path(directory)
         try:
             state = load_file(str(path / "model.safetensors"), device=str(self.device))
-            extra = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+            extra_path = path / EXTRA_FILE
+            extra = load_file(str(extra_path), device=str(self.device)) if extra_path.exists() else {}
+            other = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
         except (OSError, SafetensorError, RuntimeError, EOFError, ValueError) as error:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {error}") from None
         self.model.load_state_dict(state)
-        self.optimizer.load_state_dict(extra["optimizer"])
-        self.steps = int(extra["counters"]["learner_steps"])
-        self.version = int(extra["counters"]["version"])
-        self.samples = int(extra["counters"]["samples"])
-        torch.set_rng_state(extra["rng"].cpu())
+        for prefix, module in self._extra_modules().items():
+            part = {k[len(prefix) + 1:]: v for k, v in extra.items() if k.startswith(prefix + ".")}
+            if part:
+                module.load_state_dict(part)
+            elif prefix == "target":
+                self.sync_target()
+        try:
+            self.optimizer.load_state_dict(other["optimizer"])
+        except ValueError as error:  # e.g. the checkpoint was written with consistency heads on, now off
+            raise CheckpointError(f"checkpoint {str(path)!r}: optimizer state does not fit this learner "
+                                  f"configuration ({error})") from None
+        self.steps = int(other["counters"]["learner_steps"])
+        self.version = int(other["counters"]["version"])
+        self.samples = int(other["counters"]["samples"])
+        torch.set_rng_state(other["rng"].cpu())
+
+    def close(self) -> None:
+        """Stop the background threads (they are daemons: a process that exits needs no call)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
 
 
 def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | Path) -> None:

@@ -1,8 +1,16 @@
-"""The K-step unrolled MuZero loss.
+"""The K-step unrolled MuZero loss, EfficientZero's consistency loss, and target-network value bootstraps.
 
 Policy: cross-entropy against the search policy. Value and reward: cross-entropy against two-hot targets on
 the h-transformed support. The gradient entering each dynamics step is halved (MuZero's scale 0.5), and the
 losses of the K unrolled steps are scaled by 1/K so that deeper unrolls do not dominate.
+
+Consistency (optional, EfficientZero): the latent after k dynamics steps goes through a projection and a
+prediction head; the representation of the real observation at t+k goes through the same projection under
+stop-gradient; the loss is their negative cosine similarity (SimSiam), masked past the segment's end.
+
+`MuZeroLoss` is an `nn.Module` whose forward computes everything from a batch of device tensors, so that
+DDP and torch.compile each wrap a single forward. It holds the network (and the consistency heads), never
+the target network: bootstraps are computed beforehand by `bootstrap_values` and folded into the targets.
 """
 
 from __future__ import annotations
@@ -10,10 +18,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from rayzero.models.networks import MuZeroNet
 from rayzero.models.support import scalar_to_support, support_to_scalar
+
+STAT_NAMES = ("policy_loss", "value_loss", "reward_loss", "consistency_loss")
 
 
 class LossOutput(NamedTuple):
@@ -22,6 +33,7 @@ class LossOutput(NamedTuple):
     value_loss: torch.Tensor
     reward_loss: torch.Tensor
     priorities: torch.Tensor  # [B] |v_0 - z_0|
+    consistency_loss: torch.Tensor | None = None
 
 
 def scale_gradient(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -32,39 +44,98 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
-def muzero_loss(model: MuZeroNet, batch: dict[str, torch.Tensor], value_loss_weight: float) -> LossOutput:
-    """batch: tensors of a replay `Batch` (obs [B,...], actions [B,K], target_* [B,K+1(,A)], masks, weights)."""
-    support = model.support_size
-    actions = batch["actions"]
-    num_unroll = actions.shape[1]
-    out = model.initial(batch["obs"])
-    latent = out.latent
-    value_targets = scalar_to_support(batch["target_values"], support)  # [B, K+1, bins]
-    reward_targets = scalar_to_support(batch["target_rewards"], support)
+class ConsistencyHeads(nn.Module):
+    """[N, latent_features] latents -> projection [N, dim] and prediction [N, dim] (SimSiam heads)."""
 
-    policy_loss = _cross_entropy(out.policy_logits, batch["target_policies"][:, 0]) * batch["policy_mask"][:, 0]
-    value_loss = _cross_entropy(out.value_logits, value_targets[:, 0]) * batch["value_mask"][:, 0]
-    reward_loss = torch.zeros_like(policy_loss)
-    priorities = (support_to_scalar(out.value_logits.detach(), support) - batch["target_values"][:, 0]).abs()
+    def __init__(self, latent_features: int, dim: int):
+        super().__init__()
+        self.projection = nn.Sequential(
+            nn.Linear(latent_features, dim), nn.BatchNorm1d(dim), nn.ReLU(),
+            nn.Linear(dim, dim), nn.BatchNorm1d(dim),
+        )
+        self.prediction = nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU(), nn.Linear(dim, dim))
 
-    for k in range(1, num_unroll + 1):
-        latent, reward_logits = model.dynamics(scale_gradient(latent, 0.5), actions[:, k - 1])
-        policy_logits, value_logits = model.predict(latent)
+    def project(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.projection(latent.flatten(1))
+
+    def predict(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.prediction(self.project(latent))
+
+
+class MuZeroLoss(nn.Module):
+    """forward(batch) -> (loss [], stats [4] detached means of STAT_NAMES, priorities [B] detached).
+
+    batch: device tensors of a replay `Batch`: obs [B, *obs], actions [B, K], target_values/target_rewards
+    [B, K+1], target_policies [B, K+1, A], value/reward/policy_mask [B, K+1], weights [B]; with consistency
+    also next_obs [B, K, *obs] and next_mask [B, K].
+    """
+
+    def __init__(self, model: MuZeroNet, value_loss_weight: float, consistency: ConsistencyHeads | None = None,
+                 consistency_weight: float = 0.0):
+        super().__init__()
+        self.model = model
+        self.consistency = consistency
+        self.value_loss_weight = value_loss_weight
+        self.consistency_weight = consistency_weight
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model = self.model
+        support = model.support_size
+        actions = batch["actions"]
+        num_unroll = actions.shape[1]
         step_scale = 1.0 / num_unroll
-        policy_loss = policy_loss + step_scale * _cross_entropy(
-            policy_logits, batch["target_policies"][:, k]
-        ) * batch["policy_mask"][:, k]
-        value_loss = value_loss + step_scale * _cross_entropy(value_logits, value_targets[:, k]) * batch["value_mask"][:, k]
-        reward_loss = reward_loss + step_scale * _cross_entropy(
-            reward_logits, reward_targets[:, k]
-        ) * batch["reward_mask"][:, k]
+        latent = model.represent(batch["obs"])
+        policy_logits, value_logits = model.predict(latent)
+        value_targets = scalar_to_support(batch["target_values"], support)  # [B, K+1, bins]
+        reward_targets = scalar_to_support(batch["target_rewards"], support)
+        policy_mask, value_mask, reward_mask = batch["policy_mask"], batch["value_mask"], batch["reward_mask"]
 
-    weights = batch["weights"]
-    per_sample = policy_loss + value_loss_weight * value_loss + reward_loss
-    return LossOutput(
-        loss=(weights * per_sample).mean(),
-        policy_loss=policy_loss.mean().detach(),
-        value_loss=value_loss.mean().detach(),
-        reward_loss=reward_loss.mean().detach(),
-        priorities=priorities,
-    )
+        policy_loss = _cross_entropy(policy_logits, batch["target_policies"][:, 0]) * policy_mask[:, 0]
+        value_loss = _cross_entropy(value_logits, value_targets[:, 0]) * value_mask[:, 0]
+        reward_loss = torch.zeros_like(policy_loss)
+        consistency_loss = torch.zeros_like(policy_loss)
+        priorities = (support_to_scalar(value_logits.detach(), support) - batch["target_values"][:, 0]).abs()
+
+        use_consistency = self.consistency is not None and self.consistency_weight > 0
+        if use_consistency:
+            next_obs = batch["next_obs"]
+            with torch.no_grad():
+                target_latent = model.represent(next_obs.flatten(0, 1))
+                targets = self.consistency.project(target_latent).float()
+                targets = targets.view(next_obs.shape[0], num_unroll, -1)
+
+        for k in range(1, num_unroll + 1):
+            latent, reward_logits = model.dynamics(scale_gradient(latent, 0.5), actions[:, k - 1])
+            policy_logits, value_logits = model.predict(latent)
+            policy_loss = policy_loss + step_scale * _cross_entropy(
+                policy_logits, batch["target_policies"][:, k]
+            ) * policy_mask[:, k]
+            value_loss = value_loss + step_scale * _cross_entropy(value_logits, value_targets[:, k]) * value_mask[:, k]
+            reward_loss = reward_loss + step_scale * _cross_entropy(
+                reward_logits, reward_targets[:, k]
+            ) * reward_mask[:, k]
+            if use_consistency:
+                online = self.consistency.predict(latent).float()
+                cosine = F.cosine_similarity(online, targets[:, k - 1], dim=-1, eps=1e-5)
+                consistency_loss = consistency_loss - step_scale * cosine * batch["next_mask"][:, k - 1]
+
+        per_sample = policy_loss + self.value_loss_weight * value_loss + reward_loss
+        if use_consistency:
+            per_sample = per_sample + self.consistency_weight * consistency_loss
+        loss = (batch["weights"] * per_sample).mean()
+        stats = torch.stack([policy_loss.mean(), value_loss.mean(), reward_loss.mean(), consistency_loss.mean()])
+        return loss, stats.detach(), priorities
+
+
+@torch.no_grad()
+def bootstrap_values(target: MuZeroNet, obs: torch.Tensor) -> torch.Tensor:
+    """obs [B, K+1, *obs_shape] -> [B, K+1] value estimates of the target network."""
+    latent = target.represent(obs.flatten(0, 1))
+    _, value_logits = target.predict(latent)
+    return support_to_scalar(value_logits, target.support_size).view(obs.shape[0], obs.shape[1])
+
+
+def muzero_loss(model: MuZeroNet, batch: dict[str, torch.Tensor], value_loss_weight: float) -> LossOutput:
+    """The plain K-step loss of a batch of device tensors (see MuZeroLoss)."""
+    loss, stats, priorities = MuZeroLoss(model, value_loss_weight)(batch)
+    return LossOutput(loss, stats[0], stats[1], stats[2], priorities, stats[3])

@@ -1,9 +1,13 @@
 """The MuZero networks: representation h(o), dynamics g(s, a) and prediction f(s).
 
 Two trunks share one interface: `MLPNet` for vector observations and `ResNet` (EfficientZero-sized) for
-stacked image frames. Both return logits; `initial` and `recurrent` also return scalars decoded from the
-categorical supports, which is what search needs. Latent states are min-max scaled to [0, 1] per sample,
-as in MuZero, so the dynamics see inputs of a fixed range.
+stacked image frames (a third, `TransformerNet`, lives in transformer.py). All return logits; `initial` and
+`recurrent` also return scalars decoded from the categorical supports, which is what search needs. Latent
+states are min-max scaled to [0, 1] per sample, as in MuZero, so the dynamics see inputs of a fixed range.
+
+Mixed precision: with `heads_fp32 = True` (the inference actor sets it) the value, reward and policy heads run
+in float32 with autocast disabled, so under a bf16 autocast only the trunk is bf16. Without autocast, or with
+`heads_fp32 = False` (the default, what the learner uses), `_head` is a plain call: fp32 outputs are unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ class MuZeroNet(nn.Module):
 
     support_size: int
     num_actions: int
+    heads_fp32: bool = False
+    """Run the heads in float32 (autocast off) even inside a bf16 autocast region (inference sets it)."""
+
+    def _head(self, head, x: torch.Tensor) -> torch.Tensor:
+        """head(x) for a value/reward/policy head; in float32 when heads_fp32 and autocast is on."""
+        if self.heads_fp32 and torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return head(x.float())
+        return head(x)
 
     def represent(self, obs: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -114,10 +127,10 @@ class MLPNet(MuZeroNet):
     def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         one_hot = F.one_hot(action.long(), self.num_actions).to(latent.dtype)
         next_latent = scale_latent(self.dynamics_trunk(torch.cat([latent, one_hot], dim=1)))
-        return next_latent, self.reward_head(next_latent)
+        return next_latent, self._head(self.reward_head, next_latent)
 
     def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.policy_head(latent), self.value_head(latent)
+        return self._head(self.policy_head, latent), self._head(self.value_head, latent)
 
 
 class ResidualBlock(nn.Module):
@@ -183,14 +196,21 @@ class ResNet(MuZeroNet):
         plane = (action.to(latent.dtype) / self.num_actions).view(batch, 1, 1, 1).expand(batch, 1, height, width)
         x = F.relu(self.dyn_conv(torch.cat([latent, plane], dim=1)) + latent)
         next_latent = scale_latent(self.dyn_blocks(x))
-        reward_logits = self.reward_fc(F.relu(self.reward_conv(next_latent)).flatten(1))
+        reward_logits = self._head(self._reward_head, next_latent)
         return next_latent, reward_logits
+
+    def _reward_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reward_fc(F.relu(self.reward_conv(x)).flatten(1))
+
+    def _policy_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.policy_fc(F.relu(self.policy_conv(x)).flatten(1))
+
+    def _value_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.value_fc(F.relu(self.value_conv(x)).flatten(1))
 
     def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.pred_blocks(latent)
-        policy = self.policy_fc(F.relu(self.policy_conv(x)).flatten(1))
-        value = self.value_fc(F.relu(self.value_conv(x)).flatten(1))
-        return policy, value
+        return self._head(self._policy_head, x), self._head(self._value_head, x)
 
 
 def build_model(cfg: ModelConfig, obs_shape: tuple[int, ...], num_actions: int) -> MuZeroNet:
@@ -203,4 +223,8 @@ def build_model(cfg: ModelConfig, obs_shape: tuple[int, ...], num_actions: int) 
         if len(obs_shape) != 3:
             raise ValueError(f"model.kind='resnet' needs image observations [C, H, W], got shape {obs_shape}")
         return ResNet(obs_shape, num_actions, cfg)
-    raise ValueError(f"model.kind={kind!r} is not available here: use 'mlp' or 'resnet'")
+    if kind == "transformer":
+        from rayzero.models.transformer import TransformerNet
+
+        return TransformerNet(obs_shape, num_actions, cfg)
+    raise ValueError(f"model.kind={kind!r} is not available: use 'mlp', 'resnet' or 'transformer'")

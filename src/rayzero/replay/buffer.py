@@ -8,6 +8,11 @@ few vectorised numpy operations.
 
 A segment cut in the middle of an episode carries a tail of `unroll_steps + td_steps` extra steps whose
 positions are not sampled as starts: they exist only to complete the targets of the positions before them.
+
+Sampling draws from a sum tree of priority**alpha (`replay/sumtree.py`), O(B log capacity) per batch. With
+`replay.shared_obs`, observations and write generations live in /dev/shm (`replay/shared.py`): a learner on
+the same node asks `sample(B, with_obs=False)` and gathers the observations itself, and checks afterwards
+that the generations of its positions did not change (a write bumps them before it touches observations).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import NamedTuple
 import numpy as np
 
 from rayzero.config import ReplayConfig
+from rayzero.replay import shared
+from rayzero.replay.sumtree import SumTree
 
 
 class Segment(NamedTuple):
@@ -49,6 +56,14 @@ class Batch(NamedTuple):
     reward_mask: np.ndarray  # [B, K+1] float32
     policy_mask: np.ndarray  # [B, K+1] float32
     weights: np.ndarray  # [B] float32 importance-sampling weights (max 1)
+    # Optional, behind ReplayConfig flags (None otherwise). *_obs are None when sampled with with_obs=False.
+    next_index: np.ndarray | None = None  # [B, K] int64 positions of the observations at t+1..t+K (next_obs)
+    next_mask: np.ndarray | None = None  # [B, K] float32, 1 where t+k is inside the segment (next_obs)
+    next_obs: np.ndarray | None = None  # [B, K, *obs_shape] (next_obs)
+    bootstrap_index: np.ndarray | None = None  # [B, K+1] int64 positions of the obs n steps ahead (bootstrap_obs)
+    bootstrap_scale: np.ndarray | None = None  # [B, K+1] float32 gamma^n where that obs exists, else 0;
+    # target_values then leave that term out: the learner adds bootstrap_scale * v_target(bootstrap_obs).
+    bootstrap_obs: np.ndarray | None = None  # [B, K+1, *obs_shape] (bootstrap_obs)
 
 
 class ReplayBuffer:
@@ -65,6 +80,8 @@ class ReplayBuffer:
         self.total_added = 0  # transitions ever added
         self.segments_added = 0
         self.max_priority = 1.0
+        self.tree = SumTree(cfg.capacity)  # leaf i = priority_i**alpha if position i is sampleable, else 0
+        self.shared_paths: dict[str, str] | None = None  # obs and generation arrays live in /dev/shm
 
     # -- storage -------------------------------------------------------------------------------------
 
@@ -85,6 +102,22 @@ class ReplayBuffer:
             "priority": np.zeros(cap, dtype=np.float64),
             "generation": np.zeros(cap, dtype=np.int64),
         }
+        self._share(keep=False)
+
+    def _share(self, keep: bool) -> None:
+        """With replay.shared_obs, move obs and generation into /dev/shm (keep: with their contents)."""
+        if not self.cfg.shared_obs or self.shared_paths is not None:
+            return
+        a = self._arrays
+        created = shared.create(self, {"obs": (a["obs"].shape, a["obs"].dtype),
+                                       "generation": (a["generation"].shape, a["generation"].dtype)})
+        if created is None:
+            return
+        arrays, self.shared_paths = created
+        if keep:
+            for name, array in arrays.items():
+                array[...] = a[name]
+        a.update(arrays)
 
     def _check(self, segment: Segment) -> None:
         length = len(segment.actions)
@@ -117,6 +150,8 @@ class ReplayBuffer:
             a["alive"][s:end] = False
             a["sampleable"][s:end] = False
             a["priority"][s:end] = 0.0
+            a["generation"][s:end] += 1  # readers of any position of an evicted segment see it changed
+            self.tree.set_range(s, end, 0.0)
 
     def add(self, segment: Segment) -> int:
         """Store one segment; returns the transitions now held."""
@@ -129,6 +164,7 @@ class ReplayBuffer:
             self.cursor = 0
         start, stop = self.cursor, self.cursor + length
         self._evict(start, stop)
+        a["generation"][start:stop] += 1  # before the data: a reader that checks afterwards sees the write
         a["obs"][start:stop] = segment.obs
         a["action"][start:stop] = segment.actions
         a["reward"][start:stop] = segment.rewards
@@ -143,7 +179,8 @@ class ReplayBuffer:
         a["sampleable"][start : start + segment.num_sampleable] = True
         a["priority"][start:stop] = 0.0
         a["priority"][start : start + segment.num_sampleable] = self.max_priority
-        a["generation"][start:stop] += 1
+        self.tree.set_range(start, stop, 0.0)
+        self.tree.set_range(start, start + segment.num_sampleable, self._weight(self.max_priority))
         self.cursor = stop
         self.size += length
         self.num_sampleable += segment.num_sampleable
@@ -153,23 +190,32 @@ class ReplayBuffer:
 
     # -- sampling ------------------------------------------------------------------------------------
 
-    def sample(self, batch_size: int) -> Batch:
-        """batch_size positions drawn with probability priority**alpha, with their K-step targets."""
+    def _weight(self, priority: np.ndarray | float) -> np.ndarray | float:
+        alpha = self.cfg.priority_alpha
+        return priority if alpha == 1.0 else np.power(priority, alpha)
+
+    def sample(self, batch_size: int, with_obs: bool = True) -> Batch:
+        """batch_size positions drawn with probability priority**alpha, with their K-step targets.
+
+        with_obs=False leaves the observation fields None (a learner that maps the shared arrays gathers them).
+        """
         if self._arrays is None or self.num_sampleable == 0:
             raise ValueError("replay.sample: the buffer is empty")
         if batch_size < 1:
             raise ValueError(f"replay.sample: batch_size={batch_size} must be >= 1")
-        a, cfg = self._arrays, self.cfg
-        weights = a["priority"] ** cfg.priority_alpha if cfg.priority_alpha != 1.0 else a["priority"].copy()
-        weights[~a["sampleable"]] = 0.0
-        total = weights.sum()
-        probs = weights / total
-        index = self.rng.choice(self.capacity, size=batch_size, p=probs)
-        is_weights = (self.num_sampleable * probs[index]) ** (-cfg.priority_beta)
+        index = self.tree.sample(self.rng, batch_size)
+        probs = self.tree.weights(index) / self.tree.total
+        is_weights = (self.num_sampleable * probs) ** (-self.cfg.priority_beta)
         is_weights = (is_weights / is_weights.max()).astype(np.float32)
-        return self._targets(index, is_weights)
+        return self._targets(index, is_weights, with_obs)
 
-    def _targets(self, index: np.ndarray, is_weights: np.ndarray) -> Batch:
+    def obs_store(self) -> dict | None:
+        """Where learners find the shared observation and generation arrays (None when they are private)."""
+        if self.shared_paths is None:
+            return None
+        return {**self.shared_paths, "node": node_id()}
+
+    def _targets(self, index: np.ndarray, is_weights: np.ndarray, with_obs: bool = True) -> Batch:
         a, cfg = self._arrays, self.cfg
         num_actions = a["policy"].shape[1]
         K, n, gamma = cfg.unroll_steps, cfg.td_steps, cfg.discount
@@ -197,9 +243,11 @@ class ReplayBuffer:
         values = (rewards * gamma ** np.arange(n)).sum(-1)
         boot_pos = pos + n
         boot_inside = boot_pos < seg_len[:, None]
+        # With bootstrap_obs the learner supplies the in-segment bootstraps from its target network.
+        stored = 0.0 if cfg.bootstrap_obs else gather("root_value", boot_pos) * gamma**n
         boot_value = np.where(
             boot_inside,
-            gather("root_value", boot_pos) * gamma**n,
+            stored,
             np.where(terminal[:, None], 0.0, bootstrap[:, None] * gamma ** np.maximum(seg_len[:, None] - pos, 0)),
         )
         values = (values + boot_value).astype(np.float32)
@@ -217,10 +265,20 @@ class ReplayBuffer:
 
         policies = gather("policy", pos)
         policies[~inside] = 1.0 / num_actions
+        extra = {}
+        if cfg.next_obs:
+            next_pos = pos[:, 1:]
+            extra["next_index"] = seg_start[:, None] + np.minimum(next_pos, seg_len[:, None] - 1)
+            extra["next_mask"] = (next_pos < seg_len[:, None]).astype(np.float32)
+            extra["next_obs"] = a["obs"][extra["next_index"]] if with_obs else None
+        if cfg.bootstrap_obs:
+            extra["bootstrap_index"] = seg_start[:, None] + np.minimum(boot_pos, seg_len[:, None] - 1)
+            extra["bootstrap_scale"] = np.where(boot_inside, gamma**n, 0.0).astype(np.float32)
+            extra["bootstrap_obs"] = a["obs"][extra["bootstrap_index"]] if with_obs else None
         return Batch(
             indices=index.astype(np.int64),
             generations=a["generation"][index].copy(),
-            obs=a["obs"][index],
+            obs=a["obs"][index] if with_obs else None,
             actions=actions.astype(np.int64),
             target_values=values,
             target_rewards=target_rewards,
@@ -229,6 +287,7 @@ class ReplayBuffer:
             reward_mask=reward_mask.astype(np.float32),
             policy_mask=inside.astype(np.float32),
             weights=is_weights,
+            **extra,
         )
 
     def update_priorities(self, indices: np.ndarray, generations: np.ndarray, priorities: np.ndarray) -> None:
@@ -242,6 +301,7 @@ class ReplayBuffer:
             raise ValueError("replay.update_priorities: priorities must be finite and >= 0")
         fresh = (a["generation"][indices] == generations) & a["sampleable"][indices]
         a["priority"][indices[fresh]] = np.maximum(priorities[fresh], 1e-6)
+        self.tree.set(indices[fresh], self._weight(a["priority"][indices[fresh]]))
         if fresh.any():
             self.max_priority = max(self.max_priority, float(priorities[fresh].max()))
 
@@ -283,6 +343,33 @@ class ReplayBuffer:
                     f"replay snapshot {path} has capacity {meta['capacity']}, the config asks {self.capacity}"
                 )
             names = [k for k in data.files if k != "meta"]
+            previous = self._arrays if self.shared_paths is not None else None
             self._arrays = {k: data[k].copy() for k in names} if names else None
         for key in ("cursor", "size", "num_sampleable", "total_added", "segments_added", "max_priority"):
             setattr(self, key, meta[key])
+        a = self._arrays
+        if a is None:
+            self.tree.set_all(np.zeros(self.capacity))
+            return
+        self.tree.set_all(np.where(a["sampleable"], self._weight(a["priority"]), 0.0))
+        if previous is not None and all(previous[k].shape == a[k].shape for k in ("obs", "generation")):
+            for name in ("obs", "generation"):  # same shared arrays: learners' mappings stay valid
+                previous[name][...] = a[name]
+                a[name] = previous[name]
+        else:
+            self.shared_paths = None
+            self._share(keep=True)
+
+
+def node_id() -> str:
+    """The Ray node this process runs on (the hostname outside Ray): shared arrays are visible within it."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside a Ray worker the hostname identifies the machine
+        pass
+    import socket
+
+    return socket.gethostname()

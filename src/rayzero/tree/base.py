@@ -7,7 +7,8 @@ This module holds types only; the search lives in `search.py`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import torch
 

@@ -1,0 +1,106 @@
+"""Replay arrays in node-local shared memory (/dev/shm), so a learner on the replay's node reads them directly.
+
+The replay actor creates each shared array as a `.npy` file in /dev/shm (self-describing: a learner opens it
+with the path alone), maps it, keeps a descriptor open and unlinks the name at once. Learners open it as
+`/proc/<replay pid>/fd/<descriptor>` and map it read-only. So the memory goes back to the system when the
+replay process and the learners that mapped it are gone, however they end (Ray kills actors without running
+exit handlers). A file left by a process killed between creating and unlinking it (`rayzero-<pid>-...`) is
+removed by the next replay that starts on the node.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "rayzero-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(directory: Path = SHM_DIR) -> int:
+    """Delete shared arrays whose owner process is gone; returns how many were removed."""
+    removed = 0
+    if not directory.is_dir():
+        return 0
+    for path in directory.glob(PREFIX + "*.npy"):
+        try:
+            pid = int(path.name[len(PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _unlink(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def create(owner: object, specs: dict[str, tuple[tuple[int, ...], np.dtype]],
+           directory: Path = SHM_DIR) -> tuple[dict[str, np.ndarray], dict[str, str]] | None:
+    """Zeroed shared arrays {tag: (shape, dtype)} owned by `owner`, and the paths other processes of this node
+    open them by; None if /dev/shm cannot hold them (the caller then keeps private arrays)."""
+    if not directory.is_dir():
+        return None
+    remove_stale(directory)
+    need = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs.values())
+    free = shutil.disk_usage(directory).free
+    if need > 0.9 * free:
+        warnings.warn(f"replay.shared_obs: {directory} has {free / 2**30:.1f} GiB free, {need / 2**30:.1f} GiB "
+                      "are needed; observations stay in the replay actor's private memory", stacklevel=2)
+        return None
+    token = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    names: list[str] = []
+    fds: list[int] = []
+    arrays: dict[str, np.ndarray] = {}
+    paths: dict[str, str] = {}
+    try:
+        for tag, (shape, dtype) in specs.items():
+            name = str(directory / f"{token}-{tag}.npy")
+            names.append(name)
+            arrays[tag] = np.lib.format.open_memmap(name, mode="w+", dtype=dtype, shape=shape)
+            fds.append(os.open(name, os.O_RDONLY))
+            paths[tag] = f"/proc/{os.getpid()}/fd/{fds[-1]}"
+    except OSError as error:
+        _close(fds)
+        warnings.warn(f"replay.shared_obs: could not create shared arrays in {directory} ({error}); "
+                      "observations stay in private memory", stacklevel=2)
+        return None
+    finally:
+        _unlink(names)
+    weakref.finalize(owner, _close, fds)
+    return arrays, paths
+
+
+def open_readonly(path: str) -> np.ndarray:
+    """Map a shared array created by `create` (read-only)."""
+    return np.load(path, mmap_mode="r")

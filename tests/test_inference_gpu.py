@@ -1,0 +1,247 @@
+"""CUDA tests of the inference actor: graph replay equals eager, served answers equal direct calls, bf16 trunk
+with fp32 heads within tolerance, weight swaps while serving, whole searches as graphs, the transformer.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from rayzero.config import InferenceConfig, ModelConfig
+from rayzero.inference import InferenceError, InferenceServer
+from rayzero.models import build_model
+from rayzero.tree import SearchConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SMALL = ModelConfig(kind="resnet", channels=32, reduced_channels=8, head_hidden=32, support_size=50)
+OBS = (12, 32, 32)
+A = 6
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """Exact fp32 convolutions, so that fp32 comparisons can be tight."""
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.abs().sum():
+                param.copy_((torch.randn(param.shape, generator=g) * 0.05).to(param.device))
+
+
+def _server(model_cfg=SMALL, obs_shape=OBS, search_cfg=None, **overrides) -> InferenceServer:
+    cfg = InferenceConfig(**{"device": "cuda", "max_batch": 128, "min_bucket": 8, "max_wait_us": 2000,
+                             "search_max_batch": 32, "latent_pool_size": 4096, **overrides})
+    search_cfg = search_cfg or SearchConfig(num_simulations=8)
+    srv = InferenceServer(model_cfg, cfg, obs_shape, A, seed=0, search_cfg=search_cfg, discount=0.99)
+    _randomize(srv.model)
+    return srv
+
+
+def _obs(n: int, seed: int = 0, shape=OBS) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, *shape), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_graph_replay_equals_eager_body_at_every_bucket(bf16):
+    srv = _server(bf16=bf16, search_max_batch=0)
+    runner = srv.runner
+    g = torch.Generator(device="cuda").manual_seed(0)
+    runner.static["obs"].copy_(torch.randint(0, 256, runner.static["obs"].shape, generator=g, device="cuda"))
+    for bucket in runner.ladder:
+        for kind in ("initial", "recurrent"):
+            with torch.no_grad(), torch.cuda.stream(runner.stream):
+                runner.static["idx"][1].random_(0, A, generator=g)
+                runner._body(kind, bucket)
+                eager = runner.static["out"][:bucket].clone()
+                runner.static["out"].zero_()
+                runner.graphs[(kind, bucket)].replay()
+                graph = runner.static["out"][:bucket].clone()
+            runner.stream.synchronize()
+            torch.testing.assert_close(graph, eager, rtol=1e-6, atol=1e-6, msg=f"{kind} bucket {bucket}")
+    assert len(runner.graphs) == 2 * len(runner.ladder)
+
+
+def _serve(srv, obs_list, actions):
+    async def go():
+        roots = await asyncio.gather(*[srv.initial(f"c{i}", o) for i, o in enumerate(obs_list)])
+        steps = await asyncio.gather(*[srv.recurrent(f"c{i}", r["handles"], a)
+                                       for i, (r, a) in enumerate(zip(roots, actions))])
+        deeper = await asyncio.gather(*[srv.recurrent(f"c{i}", s["handles"], a)
+                                        for i, (s, a) in enumerate(zip(steps, actions))])
+        return roots, steps, deeper
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_served_graphs_match_direct_calls(bf16):
+    srv = _server(bf16=bf16, search_max_batch=0)
+    rng = np.random.default_rng(1)
+    sizes = (1, 7, 30, 64, 200)  # 200 > max_batch: the eager fallback
+    obs = [_obs(n, seed=i) for i, n in enumerate(sizes)]
+    actions = [rng.integers(0, A, size=n) for n in sizes]
+    roots, steps, deeper = _serve(srv, obs, actions)
+    tol = {"rtol": 3e-2, "atol": 3e-2} if bf16 else {"rtol": 1e-4, "atol": 1e-4}
+    model = srv.model
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+        for o, a, r, s, d in zip(obs, actions, roots, steps, deeper):
+            direct = model.initial(torch.from_numpy(o).cuda())
+            act = torch.from_numpy(a).cuda()
+            one = model.recurrent(direct.latent, act)
+            two = model.recurrent(one.latent, act)
+            np.testing.assert_allclose(r["policy_logits"], direct.policy_logits.float().cpu().numpy(), **tol)
+            np.testing.assert_allclose(r["value"], direct.value.float().cpu().numpy(), **tol)
+            np.testing.assert_allclose(s["reward"], one.reward.float().cpu().numpy(), **tol)
+            np.testing.assert_allclose(d["value"], two.value.float().cpu().numpy(), **tol)
+    buckets = srv.stats()["buckets"]
+    assert sum(m["graph"] for m in buckets.values()) >= 4 and srv.stats()["errors"] == 0
+
+
+def test_fp32_heads_tolerance_on_the_atari_net():
+    """EfficientZero-sized net, bf16 autocast on CUDA: fp32-head errors within 1e-2 mean (value, reward) and
+    1e-3 max (policy probabilities), and below the all-bf16 variant's."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind="resnet"), (12, 96, 96), 18).cuda().eval()
+    _randomize(model)
+    obs = torch.from_numpy(_obs(256, shape=(12, 96, 96))).cuda()
+    actions = torch.randint(0, 18, (256,), device="cuda")
+    errors = precision_errors(model, obs, actions)
+    print("precision errors", errors)
+    fp32_heads, all_bf16 = errors["fp32_heads"], errors["all_bf16"]
+    assert fp32_heads["value"] <= 1e-2 and fp32_heads["reward"] <= 1e-2 and fp32_heads["policy"] <= 1e-3, errors
+    assert fp32_heads["value"] <= all_bf16["value"] and fp32_heads["reward"] <= all_bf16["reward"], errors
+
+
+def precision_errors(model, obs, actions) -> dict[str, dict[str, float]]:
+    """Errors vs fp32 under bf16 autocast: mean abs of values (initial + 1 step) and reward, max abs of policy."""
+    with torch.no_grad():
+        model.heads_fp32 = False
+        ref0 = model.initial(obs)
+        ref1 = model.recurrent(ref0.latent, actions)
+        errors = {}
+        for name, heads_fp32 in (("fp32_heads", True), ("all_bf16", False)):
+            model.heads_fp32 = heads_fp32
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                out0 = model.initial(obs)
+                out1 = model.recurrent(out0.latent, actions)
+            value = torch.cat([out0.value - ref0.value, out1.value - ref1.value]).abs().mean()
+            policy = out1.policy_logits.float().softmax(-1) - ref1.policy_logits.softmax(-1)
+            errors[name] = {"value": float(value), "reward": float((out1.reward - ref1.reward).abs().mean()),
+                            "policy": float(policy.abs().max())}
+        model.heads_fp32 = False
+    return errors
+
+
+def test_weight_swap_while_serving_on_graphs():
+    srv = _server(bf16=False, search_max_batch=0, max_wait_us=300)
+    old = {k: v.clone() for k, v in srv.model.state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(3)
+    new = {k: (v + 0.05 * torch.randn(v.shape, generator=g, device="cuda")).cpu() if v.is_floating_point()
+           else v.cpu() for k, v in old.items()}
+    obs = _obs(5)
+
+    async def client(name, stop, seen):
+        while not stop.is_set():
+            out = await srv.initial(name, obs)
+            seen.append((out["version"], out["policy_logits"]))
+            await srv.recurrent(name, out["handles"], np.zeros(5, np.int64))
+            await srv.release(name)
+
+    async def go():
+        stop, seen = asyncio.Event(), []
+        tasks = [asyncio.create_task(client(f"c{i}", stop, seen)) for i in range(8)]
+        while len(seen) < 40:
+            await asyncio.sleep(0.001)
+        await asyncio.get_running_loop().run_in_executor(None, srv.set_weights, 5, new)
+        count = len(seen)
+        while len(seen) < count + 40:
+            await asyncio.sleep(0.001)
+        stop.set()
+        await asyncio.gather(*tasks)
+        return seen
+
+    seen = asyncio.run(go())
+    expected = {}
+    model = build_model(SMALL, OBS, A).cuda().eval()
+    for version, state in ((0, old), (5, new)):
+        model.load_state_dict(state)
+        with torch.no_grad():
+            expected[version] = model.initial(torch.from_numpy(obs).cuda()).policy_logits.cpu().numpy()
+    versions = [v for v, _ in seen]
+    assert set(versions) == {0, 5} and versions == sorted(versions) and srv.get_version() == 5
+    for version, logits in seen:
+        np.testing.assert_allclose(logits, expected[version], rtol=1e-4, atol=1e-4)
+    assert srv.stats()["errors"] == 0
+
+
+def test_whole_search_graphs_match_eager_search():
+    config = SearchConfig(num_simulations=8, dirichlet_fraction=0.0, temperature=0.0)
+    graphs = _server(bf16=False, search_cfg=config)
+    eager = _server(bf16=False, search_cfg=config, search_max_batch=0)
+    eager.model.load_state_dict(graphs.model.state_dict())
+    obs = _obs(20, seed=4)
+    invalid = np.zeros((20, A), bool)
+    invalid[::3, 0] = True
+
+    async def go(srv):
+        return await asyncio.gather(srv.search("a", obs, invalid), srv.search("b", obs[:5], temperature=0.0,
+                                                                                num_simulations=4))
+
+    (g_full, g_small), (e_full, e_small) = asyncio.run(go(graphs)), asyncio.run(go(eager))
+    assert graphs.stats()["buckets"]["search/32"]["graph"] == 1
+    assert eager.stats()["buckets"]["search/32"]["graph"] == 0
+    for g, e, n in ((g_full, e_full, 8), (g_small, e_small, 4)):
+        assert (g["visit_counts"].sum(1) == n).all()
+        same = (g["visit_counts"] == e["visit_counts"]).all(1).mean()
+        assert same >= 0.9, same
+        np.testing.assert_allclose(g["root_value"], e["root_value"], rtol=1e-3, atol=1e-3)
+    assert (g_full["visit_counts"][::3, 0] == 0).all()
+    assert graphs.stats()["search_graphs"] >= 4  # start-up buckets 8, 16, 32 + the override's
+
+
+def test_bad_requests_fail_alone_on_the_gpu():
+    srv = _server(search_max_batch=0)
+
+    async def go():
+        return await asyncio.gather(
+            srv.initial("ok", _obs(3)),
+            srv.initial("shape", np.zeros((2, 3, 32, 32), np.uint8)),
+            srv.initial("dtype", np.zeros((2, *OBS), np.float32)),
+            srv.recurrent("nobody", np.array([0, 1]), np.array([0, 1])),
+            srv.search("nan-config", _obs(2), num_simulations=-1),
+            return_exceptions=True)
+
+    ok, *bad = asyncio.run(go())
+    assert ok["handles"].shape == (3,)
+    assert all(isinstance(e, InferenceError) for e in bad), bad
+
+
+def test_transformer_graphs_bf16_match_eager():
+    base = dataclasses.asdict(ModelConfig(kind="transformer", support_size=50, head_hidden=32))
+    cfg = types.SimpleNamespace(**base, transformer_dim=64, transformer_heads=4, transformer_layers=2,
+                                transformer_latent_tokens=4)
+    srv = _server(model_cfg=cfg, obs_shape=(12, 96, 96), search_max_batch=0)
+    assert srv.model.tokens == 256
+    sizes = (3, 20)
+    obs = [_obs(n, seed=i, shape=(12, 96, 96)) for i, n in enumerate(sizes)]
+    actions = [np.arange(n) % A for n in sizes]
+    roots, steps, _ = _serve(srv, obs, actions)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        for o, a, r, s in zip(obs, actions, roots, steps):
+            direct = srv.model.initial(torch.from_numpy(o).cuda())
+            one = srv.model.recurrent(direct.latent, torch.from_numpy(a).cuda())
+            np.testing.assert_allclose(r["policy_logits"], direct.policy_logits.float().cpu().numpy(), rtol=3e-2, atol=3e-2)
+            np.testing.assert_allclose(s["value"], one.value.float().cpu().numpy(), rtol=3e-2, atol=3e-2)
+    assert sum(m["graph"] for m in srv.stats()["buckets"].values()) == 4
