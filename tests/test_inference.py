@@ -1,6 +1,8 @@
 """The inference actor (CPU): batched answers equal direct calls; bad requests fail alone; weight swaps."""
 
 import asyncio
+import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import torch
 
 from rayzero.config import InferenceConfig, ModelConfig
 from rayzero.inference import InferenceError, InferenceServer, bucket_ladder
+from rayzero.models import build_model
 
 MODEL = ModelConfig(kind="mlp", latent_dim=8, hidden=16, support_size=5)
 
@@ -124,13 +127,6 @@ def test_served_through_ray_to_a_selfplay_search():
 
 
 # -- the inference issue: swaps under load, mixed precision, cache, timeouts, whole searches, transformer -----
-
-import dataclasses  # noqa: E402
-import time  # noqa: E402
-import types  # noqa: E402
-
-from rayzero.models import build_model  # noqa: E402
-
 
 def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
     """Give the zero-initialised last layers of the heads random weights, so that outputs depend on inputs."""
@@ -462,6 +458,7 @@ def emulated_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
 
 def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):

@@ -90,3 +90,129 @@ def test_commit_is_atomic_and_prunes(tmp_path):
     # A staging dir left by a crash is ignored by `latest`.
     ckpt.staging_dir(tmp_path, 99)
     assert ckpt.latest(tmp_path).name == "step_00000004"
+
+
+# -- targets, options and the data path ------------------------------------------------------------------
+
+def image_segments(seed=0, count=6, length=20, shape=(3, 16, 16), num_actions=3):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        yield Segment(
+            obs=rng.integers(0, 256, size=(length, *shape), dtype=np.uint8),
+            actions=rng.integers(0, num_actions, size=length),
+            rewards=rng.normal(size=length).astype(np.float32),
+            policies=rng.dirichlet(np.ones(num_actions), size=length).astype(np.float32),
+            root_values=rng.normal(size=length).astype(np.float32),
+            num_sampleable=length - 4, terminal=False, bootstrap_value=0.3,
+        )
+
+
+def test_bootstrap_obs_targets_add_up_to_the_stored_value_targets():
+    cfg = ReplayConfig(capacity=500, unroll_steps=3, td_steps=4, discount=0.9, min_size=0)
+    plain, split = ReplayBuffer(cfg), ReplayBuffer(ReplayConfig(**{**cfg.__dict__, "bootstrap_obs": True,
+                                                                   "next_obs": True}))
+    for s in image_segments():
+        plain.add(s)
+        split.add(s)
+    index = np.arange(0, 120, 7)
+    a = plain._targets(index, np.ones(len(index), np.float32))
+    b = split._targets(index, np.ones(len(index), np.float32))
+    stored = split._arrays["root_value"][b.bootstrap_index]
+    np.testing.assert_allclose(b.target_values + b.bootstrap_scale * stored, a.target_values, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(b.bootstrap_obs, split._arrays["obs"][b.bootstrap_index])
+    inside = b.next_mask[:, 0] == 1
+    assert inside.sum() >= len(index) - 3
+    np.testing.assert_array_equal(b.next_obs[inside, 0], split._arrays["obs"][index[inside] + 1])
+    assert b.next_mask.shape == (len(index), 3) and set(np.unique(b.bootstrap_scale)) <= {0.0, np.float32(0.9**4)}
+
+
+def test_sum_tree_sampling_follows_priorities_and_survives_restore(tmp_path):
+    cfg = ReplayConfig(capacity=200, unroll_steps=1, td_steps=1, min_size=0, priority_alpha=0.5)
+    buffer = ReplayBuffer(cfg, seed=0)
+    for s in image_segments(count=5):
+        buffer.add(s)
+    batch = buffer.sample(64)
+    buffer.update_priorities(batch.indices, batch.generations, np.linspace(0.1, 9.0, 64))
+    weights = np.where(buffer._arrays["sampleable"], buffer._arrays["priority"] ** 0.5, 0.0)
+    np.testing.assert_allclose(buffer.tree.total, weights.sum())
+    counts = np.bincount(buffer.sample(200_000).indices, minlength=200) / 200_000
+    np.testing.assert_allclose(counts, weights / weights.sum(), atol=4e-3)
+    buffer.snapshot(tmp_path / "replay.npz")
+    restored = ReplayBuffer(cfg, seed=0)
+    restored.restore(tmp_path / "replay.npz")
+    np.testing.assert_allclose(restored.tree.nodes, buffer.tree.nodes)
+
+
+def test_shared_obs_are_gathered_by_the_learner_and_rewrites_are_dropped():
+    from rayzero.learner.prefetch import ObsStore, Staging
+
+    cfg = ReplayConfig(capacity=100, unroll_steps=2, td_steps=2, min_size=0, shared_obs=True, next_obs=True)
+    buffer = ReplayBuffer(cfg, seed=0)
+    for s in image_segments(count=5):
+        buffer.add(s)
+    store = ObsStore.open(buffer.obs_store(), threads=2)
+    assert store is not None
+    staging = Staging(torch.device("cpu"), store)
+    batch = buffer.sample(40, with_obs=False)
+    assert batch.obs is None and batch.next_obs is None
+    item = staging.upload(batch)
+    np.testing.assert_array_equal(item.tensors["obs"].numpy(), buffer._arrays["obs"][batch.indices])
+    np.testing.assert_array_equal(item.tensors["next_obs"].numpy(), buffer._arrays["obs"][batch.next_index])
+    assert item.stale == 0
+    # A new segment overwrites the oldest one (ring wraps): samples from it come out with weight 0.
+    buffer.add(next(image_segments(seed=9, count=1)))
+    item = staging.upload(batch)
+    rewritten = buffer._arrays["generation"][batch.indices] != batch.generations
+    assert item.stale == rewritten.sum() > 0
+    assert np.all(item.tensors["weights"].numpy()[rewritten] == 0)
+    assert np.all(item.tensors["weights"].numpy()[~rewritten] == batch.weights[~rewritten])
+
+
+def test_options_resume_exactly(tmp_path):
+    """Target network, consistency heads and NHWC: resuming from a checkpoint continues bit for bit."""
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    learner_cfg = LearnerConfig(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cpu", target_update_interval=2,
+                                consistency_weight=1.0, consistency_dim=16, channels_last=True)
+    replay = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=2, td_steps=2, min_size=0, bootstrap_obs=True,
+                                       next_obs=True), seed=0)
+    for s in image_segments():
+        replay.add(s)
+    batches = [replay.sample(8) for _ in range(6)]
+    learner = Learner(model, learner_cfg, (3, 16, 16), 3, seed=0)
+    for batch in batches[:3]:
+        metrics, _ = learner.step(batch)
+    assert metrics["consistency_loss"] < 0  # negative cosine similarity
+    learner.save(str(tmp_path))
+    resumed = Learner(model, learner_cfg, (3, 16, 16), 3, seed=5)
+    resumed.load(str(tmp_path))
+    for batch in batches[3:]:
+        m1, p1 = learner.step(batch)
+        m2, p2 = resumed.step(batch)
+        assert m1 == m2
+        np.testing.assert_array_equal(p1, p2)
+    for t1, t2 in zip(learner.target.state_dict().values(), resumed.target.state_dict().values()):
+        torch.testing.assert_close(t1, t2, rtol=0, atol=0)
+
+
+def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):
+    working = {"default"}
+
+    def fake_compile(module, mode="default", **kwargs):
+        def run(*args):
+            if mode not in working:
+                raise RuntimeError(f"no {mode} here")
+            return module(*args)
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    batch = filled_replay().sample(32)
+    reference = Learner(MODEL, LEARNER, (4,), 2, seed=0)
+    expected = [reference.step(batch)[0]["loss"] for _ in range(4)]
+    cfg = LearnerConfig(**{**LEARNER.__dict__, "compile": True, "compile_mode": "reduce-overhead"})
+    learner = Learner(MODEL, cfg, (4,), 2, seed=0)
+    losses = [learner.step(batch)[0]["loss"] for _ in range(4)]
+    assert learner.compile_state == "on:default" and losses == expected
+    working.clear()
+    learner = Learner(MODEL, cfg, (4,), 2, seed=0)
+    assert learner.step(batch)[0]["loss"] == expected[0]
+    assert learner.compile_state == "failed"

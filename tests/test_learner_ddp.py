@@ -14,7 +14,7 @@ from rayzero.replay import Batch, ReplayBuffer, Segment
 
 MODEL = ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=10)
 LEARNER = LearnerConfig(batch_size=16, lr=3e-3, lr_warmup_steps=2, grad_clip=1.0, device="cpu")
-REPLAY = ReplayConfig(capacity=2000, unroll_steps=3, td_steps=3, discount=0.9, min_size=0)
+REPLAY = ReplayConfig(capacity=2000, unroll_steps=3, td_steps=3, discount=0.9, min_size=0, shared_obs=True)
 
 
 def segments(seed=0, count=10, length=30):
@@ -82,7 +82,7 @@ def test_a_dead_rank_restarts_the_group_from_the_last_checkpoint(group, tmp_path
     replay = ray.remote(ReplayBuffer).options(num_cpus=0).remote(REPLAY, 0)
     ray.get([replay.add.remote(s) for s in segments(seed=1)])
     first = ray.get(group.train.remote(replay, 3))
-    assert first["num_learners"] == 2 and first["restarts"] == 0
+    assert first["num_learners"] == 2 and first["restarts"] == 0 and first["obs_path"] == "shared"
     counters = ray.get(group.counters.remote())
     staging = ckpt.staging_dir(tmp_path, counters["learner_steps"])
     ray.get(group.save.remote(str(staging)))

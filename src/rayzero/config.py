@@ -154,6 +154,9 @@ class ReplayConfig:
         ])
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     """Training of the networks."""
@@ -187,6 +190,14 @@ class LearnerConfig:
     compile: bool | None = None
     """torch.compile the loss (forward and backward); None = on CUDA only. Falls back to eager, with a
     logged warning, when compilation fails."""
+    compile_mode: str = "reduce-overhead"
+    """torch.compile mode. 'reduce-overhead' replays the step as CUDA graphs: without them the compiled step is
+    bound by Python launching its kernels (H200, batch 1024: 32.0 ms per step with 'default', 11.6 ms with
+    'reduce-overhead'). Also 'default', 'max-autotune', 'max-autotune-no-cudagraphs'. A mode that fails falls
+    back to 'default', then to eager."""
+    channels_last: bool = False
+    """Keep the conv net and image batches in NHWC memory format. Off: on an H200 with torch.compile, NHWC took
+    35.0 ms per step at batch 1024 against 32.0 ms for NCHW. Ignored for vector observations."""
     prefetch: int = 2
     """Batches sampled, gathered into pinned memory and copied to the device ahead of the update (0 = in line)."""
     gather_threads: int = 4
@@ -215,6 +226,7 @@ class LearnerConfig:
             ("steps_per_call", self.steps_per_call >= 1, ">= 1"),
             ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
             ("checkpoint_interval", self.checkpoint_interval >= 1, ">= 1"),
+            ("compile_mode", self.compile_mode in COMPILE_MODES, f"one of {COMPILE_MODES}"),
             ("prefetch", self.prefetch >= 0, ">= 0"),
             ("gather_threads", self.gather_threads >= 1, ">= 1"),
             ("target_update_interval", self.target_update_interval >= 0, ">= 0"),
@@ -246,8 +258,9 @@ class InferenceConfig:
     """bf16 trunk with fp32 heads (CUDA only)."""
     fp32_heads: bool = True
     """With bf16: run the value, reward and policy heads in float32 (False = everything bf16)."""
-    channels_last: bool = False
-    """CUDA: keep conv weights in channels-last layout (NHWC kernels for bf16 convs)."""
+    channels_last: bool = True
+    """CUDA: keep conv weights in channels-last layout (NHWC kernels for bf16 convs; 1.6x on the H200 at
+    batch 4096)."""
     search_max_batch: int = 1024
     """Largest bucket of whole-search CUDA graphs (one per bucket of the ladder up to here, captured at
     start-up for the run's search config; other configs are captured on first use). Bigger search
@@ -258,6 +271,9 @@ class InferenceConfig:
     cache_size: int = 0
     """Entries of the initial-inference cache keyed by an observation hash (LRU; 0 = off). Cleared on
     every weight update."""
+    switch_interval_us: int = 20
+    """CUDA: the Python thread switch interval the actor sets (its GPU thread and its event loop share the
+    GIL; with Python's default of 5000 us the GPU thread waits for it after CUDA calls); 0 = Python's."""
 
     def __post_init__(self) -> None:
         _check("inference", self, [
@@ -270,6 +286,7 @@ class InferenceConfig:
             ("search_max_batch", self.search_max_batch >= 0, ">= 0 (0 = no whole-search graphs)"),
             ("latent_timeout_s", self.latent_timeout_s >= 0, ">= 0 (0 = no timeout)"),
             ("cache_size", self.cache_size >= 0, ">= 0 (0 = no cache)"),
+            ("switch_interval_us", self.switch_interval_us >= 0, ">= 0 (0 = Python's default)"),
         ])
 
 

@@ -189,7 +189,8 @@ class Driver:
         num_envs = config.env.num_envs
         collect_env_steps = run.selfplay_steps_per_call * num_envs
         slack = learner_cfg.replay_ratio * max(replay_cfg.min_size, 2 * collect_env_steps * len(handles.selfplay))
-        samples_per_call = learner_cfg.steps_per_call * learner_cfg.batch_size
+        ranks = config.cluster.num_learners  # each rank trains on its own batch of batch_size
+        samples_per_call = learner_cfg.steps_per_call * learner_cfg.batch_size * ranks
         weights = handles.learner.weights.remote()
         if handles.inference is not None:
             ray.get(handles.inference.set_weights.remote(*ray.get(weights)))
@@ -218,7 +219,7 @@ class Driver:
                 self.stop_reason = "max_learner_steps"
             if self.stop_reason:
                 break
-            learner_samples = self.learner_steps * learner_cfg.batch_size
+            learner_samples = self.learner_steps * learner_cfg.batch_size * ranks
             # Ratio of learner samples to transitions that reached replay (env steps still in an actor's
             # segment buffer cannot be trained on yet).
             target = learner_cfg.replay_ratio * self.replay_transitions
@@ -275,6 +276,9 @@ class Driver:
                 elif kind == "learn":
                     learner_busy = False
                     result = ray.get(ref)
+                    if result["learner_steps"] < self.learner_steps:
+                        print(f"rayzero: the learner group restarted from its last checkpoint "
+                              f"(learner steps {self.learner_steps} -> {result['learner_steps']})", flush=True)
                     self.learner_steps = result["learner_steps"]
                     self.version = result["version"]
                     self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float)}

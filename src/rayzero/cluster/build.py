@@ -58,12 +58,14 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         learner_gpus = 1.0
     if config.learner.device == "auto" and learner_gpus == 0 and gpus >= 1:
         learner_gpus = 1.0
-    if learner_gpus > gpus:
-        raise ValueError(f"cluster.learner_gpus={learner_gpus} but the cluster has {gpus} GPUs")
+    all_learner_gpus = learner_gpus * c.num_learners
+    if all_learner_gpus > gpus:
+        raise ValueError(f"cluster.learner_gpus={learner_gpus} x cluster.num_learners={c.num_learners} needs "
+                         f"{all_learner_gpus} GPUs but the cluster has {gpus}")
     mode = config.inference.mode
     if mode == "auto":
-        mode = "central" if gpus >= learner_gpus + 1 else "local"
-    inference_gpus = c.inference_gpus or (1.0 if mode == "central" and gpus >= learner_gpus + 1 else 0.0)
+        mode = "central" if gpus >= all_learner_gpus + 1 else "local"
+    inference_gpus = c.inference_gpus or (1.0 if mode == "central" and gpus >= all_learner_gpus + 1 else 0.0)
     return Plan(
         replay={"num_cpus": c.replay_cpus, "max_restarts": 0},
         learner={"num_cpus": c.learner_cpus, "num_gpus": learner_gpus},

@@ -77,6 +77,7 @@ class Flight:
     """Numpy views of the outputs ([rows] / [rows, ...]); valid after `Runner.wait`, until the next launch."""
     start: Any = None  # CUDA events (timing enabled) around the device work; None on the CPU
     end: Any = None
+    slot: Any = None  # the staging slot (CUDA)
     cpu_s: float = 0.0  # CPU path: compute time
     gpu_s: float = 0.0
 
@@ -103,6 +104,7 @@ class _Slot:
         self.consumed = torch.cuda.Event()  # the compute stream finished reading the device buffers
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
+        self.busy = False  # launched and not yet waited for
 
 
 class Runner:
@@ -158,6 +160,7 @@ class Runner:
             self.static["idx"][row].copy_(scratch)
         self.slots = [_Slot(self), _Slot(self)]
         self._next_slot = 0
+        torch.cuda.synchronize(self.device)  # set-up writes (default stream) land before the compute stream reads
         self._ref = torch.cuda.Event(enable_timing=True)
         self._ref.record(self.stream)
         self.stream.synchronize()
@@ -241,7 +244,9 @@ class Runner:
     def _acquire(self) -> _Slot:
         slot = self.slots[self._next_slot]
         self._next_slot ^= 1
-        slot.uploaded.synchronize()  # its pinned buffers are free again (long done in steady state)
+        if slot.busy:  # the batcher waits for batch k before launching k + 2, so this is rare
+            slot.uploaded.synchronize()
+        slot.busy = True
         return slot
 
     def _upload(self, slot: _Slot, obs_rows: int = 0, mask_rows: int = 0) -> None:
@@ -315,7 +320,7 @@ class Runner:
                 self._cache_ops(self.static["idx"], len(cache_ops["hit_src"]), len(cache_ops["ins_entry"]))
             slot.out[:n].copy_(self.static["out"][:n], non_blocking=True)
             slot.end.record(self.stream)
-        return Flight("initial", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end)
+        return Flight("initial", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end, slot)
 
     def _cache_ops(self, idx: torch.Tensor, hits: int, inserts: int) -> None:
         assert self.cache_latents is not None
@@ -346,7 +351,7 @@ class Runner:
             graph = self._run("recurrent", n, bucket)
             slot.out[:n].copy_(self.static["out"][:n], non_blocking=True)
             slot.end.record(self.stream)
-        return Flight("recurrent", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end)
+        return Flight("recurrent", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end, slot)
 
     @torch.no_grad()
     def launch_search(self, parts: list[np.ndarray], mask: np.ndarray | None, config: SearchConfig) -> Flight:
@@ -377,7 +382,7 @@ class Runner:
             slot.end.record(self.stream)
         outputs = {"action": slot.s_action.numpy()[:n], "action_weights": slot.s_weights.numpy()[:n],
                    "visit_counts": slot.s_visits.numpy()[:n], "root_value": slot.s_value.numpy()[:n]}
-        return Flight("search", n, bucket, True, outputs, slot.start, slot.end)
+        return Flight("search", n, bucket, True, outputs, slot.start, slot.end, slot)
 
     # -- eager paths (CPU, or batches beyond the ladder) ----------------------------------------------------
 
@@ -446,6 +451,7 @@ class Runner:
         """Block until the flight's outputs are on the host (the one synchronisation per batch)."""
         if flight.end is not None:
             flight.end.synchronize()
+            flight.slot.busy = False
             flight.gpu_s = flight.start.elapsed_time(flight.end) / 1e3
         else:
             flight.gpu_s = flight.cpu_s

@@ -13,10 +13,11 @@ metrics and the trace. The device side (CUDA graphs per bucket, pinned double-bu
 stream, bf16 trunk with fp32 heads, whole searches as graph replays) is runner.py.
 
 Batching: requests wait in one queue per kind (a search config is its own kind). The batcher serves the
-kind whose oldest request is oldest; with nothing in flight it waits until M rows are queued or the oldest
-request has waited `max_wait_us`; with a batch in flight it takes what is queued at once. GPU work runs on
-one dedicated thread: each step launches batch k+1 and then waits for batch k, so the upload and host
-work of k+1 overlap the device work of k (two batches in flight at most).
+kind whose oldest request is oldest and waits until M rows are queued or the oldest request has waited
+`max_wait_us`; with a batch in flight it stops waiting earlier, at 3/4 of that batch's expected device time
+(the mean of its bucket so far). GPU work runs on one dedicated thread: each step launches batch k+1 and
+then waits for batch k, so the upload and host work of k+1 overlap the device work of k (two batches in
+flight at most).
 
 Latents never leave the actor: initial and recurrent write them into the device pool and answer with slot
 handles; `release(client)` frees a client's slots (see pool.py for LRU and timeout reclamation).
@@ -29,6 +30,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -90,6 +92,8 @@ class InferenceServer:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.obs_shape = tuple(obs_shape)
         self.num_actions = num_actions
         default = np.uint8 if len(self.obs_shape) == 3 else np.float32
@@ -101,6 +105,8 @@ class InferenceServer:
         self.ladder = bucket_ladder(cfg.min_bucket, cfg.max_batch)
         self.version = 0
         cuda = is_cuda(self.device)
+        if cuda and cfg.switch_interval_us > 0:
+            sys.setswitchinterval(cfg.switch_interval_us / 1e6)
         self.gpu = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="inference-gpu",
             initializer=(lambda: torch.cuda.set_device(self.device)) if cuda else None)
@@ -296,9 +302,9 @@ class InferenceServer:
             return self.cfg.search_max_batch
         return self.cfg.max_batch
 
-    async def _fill(self, key: Any) -> None:
-        """Wait until `key` has a full batch queued or its oldest request has waited max_wait_us."""
-        deadline = self._queues[key][0].submitted + self.cfg.max_wait_us / 1e6
+    async def _fill(self, key: Any, until: float = float("inf")) -> None:
+        """Wait until `key` has a full batch queued, its oldest request has waited max_wait_us, or `until`."""
+        deadline = min(self._queues[key][0].submitted + self.cfg.max_wait_us / 1e6, until)
         while self._queued_rows[key] < self._limit(key):
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
@@ -321,9 +327,17 @@ class InferenceServer:
             del self._queues[key]
         return batch
 
+    def _expected_gpu_s(self, batch: _Batch) -> float:
+        """Mean device time of batches like `batch` so far (0 when unknown)."""
+        if batch.flight is None:
+            return 0.0
+        m = self.metrics.get(f"{batch.kind}/{batch.flight.bucket}")
+        return m["gpu_s"] / m["count"] if m and m["count"] else 0.0
+
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         inflight: _Batch | None = None
+        fill_until = 0.0  # with a batch in flight: gather until shortly before the device should be done
         while True:
             key = self._oldest_key()
             if key is None:
@@ -335,10 +349,11 @@ class InferenceServer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if inflight is None:
-                await self._fill(key)
+            await self._fill(key, float("inf") if inflight is None else fill_until)
             requests = self._take(key)
             launched, finished = await loop.run_in_executor(self.gpu, self._step, key, requests, inflight)
+            # The previous batch is done, so `launched` is now the one running on the device.
+            fill_until = time.perf_counter() + 0.75 * self._expected_gpu_s(launched)
             if inflight is not None:
                 self._deliver(inflight, finished)
             inflight = launched

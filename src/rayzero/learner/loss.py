@@ -71,12 +71,13 @@ class MuZeroLoss(nn.Module):
     """
 
     def __init__(self, model: MuZeroNet, value_loss_weight: float, consistency: ConsistencyHeads | None = None,
-                 consistency_weight: float = 0.0):
+                 consistency_weight: float = 0.0, channels_last: bool = False):
         super().__init__()
         self.model = model
         self.consistency = consistency
         self.value_loss_weight = value_loss_weight
         self.consistency_weight = consistency_weight
+        self.channels_last = channels_last
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         model = self.model
@@ -84,7 +85,7 @@ class MuZeroLoss(nn.Module):
         actions = batch["actions"]
         num_unroll = actions.shape[1]
         step_scale = 1.0 / num_unroll
-        latent = model.represent(batch["obs"])
+        latent = model.represent(_layout(batch["obs"], self.channels_last))
         policy_logits, value_logits = model.predict(latent)
         value_targets = scalar_to_support(batch["target_values"], support)  # [B, K+1, bins]
         reward_targets = scalar_to_support(batch["target_rewards"], support)
@@ -100,7 +101,7 @@ class MuZeroLoss(nn.Module):
         if use_consistency:
             next_obs = batch["next_obs"]
             with torch.no_grad():
-                target_latent = model.represent(next_obs.flatten(0, 1))
+                target_latent = model.represent(_layout(next_obs.flatten(0, 1), self.channels_last))
                 targets = self.consistency.project(target_latent).float()
                 targets = targets.view(next_obs.shape[0], num_unroll, -1)
 
@@ -127,10 +128,17 @@ class MuZeroLoss(nn.Module):
         return loss, stats.detach(), priorities
 
 
+def _layout(obs: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """[N, C, H, W] images in NHWC memory order when asked (other shapes untouched)."""
+    if channels_last and obs.dim() == 4:
+        return obs.contiguous(memory_format=torch.channels_last)
+    return obs
+
+
 @torch.no_grad()
-def bootstrap_values(target: MuZeroNet, obs: torch.Tensor) -> torch.Tensor:
+def bootstrap_values(target: MuZeroNet, obs: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
     """obs [B, K+1, *obs_shape] -> [B, K+1] value estimates of the target network."""
-    latent = target.represent(obs.flatten(0, 1))
+    latent = target.represent(_layout(obs.flatten(0, 1), channels_last))
     _, value_logits = target.predict(latent)
     return support_to_scalar(value_logits, target.support_size).view(obs.shape[0], obs.shape[1])
 

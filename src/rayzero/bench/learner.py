@@ -1,0 +1,344 @@
+"""Benchmark of the learner: samples/s and steps/s in the real loop and bare, on 1, 2 (and 4) GPUs.
+
+Real loop: a replay actor (shared-memory observations) filled with synthetic Atari-sized segments
+(12x96x96 uint8 observations, 18 actions, K=5, n=5); the learner actor, or a `LearnerGroup` of N DDP ranks,
+runs `train(replay, 50)` calls: every rank samples its own batches from the replay actor, gathers the
+observations into pinned memory and copies them to its GPU ahead of the update, sends priorities back; after
+each call the driver fetches the published weights (`weights()`), as the training driver does.
+Bare: `bench_steps` in the same learner process on one batch kept on the device (no sampling, no Ray calls
+in the loop), so the two rows show what the data path costs. Net: the EfficientZero-sized ResNet of
+ANCHORS.md (64 channels, 1 block, 601-bin supports), AdamW, bf16 autocast, torch.compile on CUDA (by default
+with CUDA graphs, learner.compile_mode).
+
+Rows per (GPUs, batch per GPU) for batch 1024 and 256; on GPUs also the NHWC layout and an eager bare row at
+1024 on one GPU. Scaling efficiency = samples/s on N GPUs / (N x samples/s on one), same per-GPU batch.
+--quick: CPU sized (3x32x32 observations, a 16-channel net, batch 16 and 32, 1 and 2 gloo ranks), < 60 s.
+Options for short device sessions: --batches, --compile-mode, --no-alternatives, --overlap (the 2-GPU group
+compiles together with the 1-GPU learner), --short, --capacity.
+
+Run: `rayzero bench learner [--quick] [--json PATH]` or `python -m rayzero.bench.learner [options]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+from rayzero.bench.common import write_json
+from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
+from rayzero.learner.group import LearnerGroup
+from rayzero.learner.learner import Learner
+from rayzero.replay.buffer import ReplayBuffer, Segment
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    obs_shape: tuple[int, ...]
+    num_actions: int
+    model: ModelConfig
+    batches: tuple[int, ...]
+    capacity: int
+    steps_per_call: int
+    timed_calls: int
+    bare_steps: int
+    budget_s: float  # stop starting new configurations after this long
+
+
+FULL = Sizes((12, 96, 96), 18, ModelConfig(kind="resnet", channels=64, blocks=1, support_size=300), (1024, 256),
+             capacity=50_000, steps_per_call=50, timed_calls=3, bare_steps=40, budget_s=190.0)
+QUICK = Sizes((3, 32, 32), 4, ModelConfig(kind="resnet", channels=16, blocks=1, support_size=10,
+                                          reduced_channels=4, head_hidden=16),
+              (16, 32), capacity=3_000, steps_per_call=3, timed_calls=2, bare_steps=3, budget_s=45.0)
+
+
+class SyntheticReplay(ReplayBuffer):
+    """A replay buffer that fills itself with random segments (no transfer of gigabytes through Ray)."""
+
+    def fill(self, obs_shape: tuple[int, ...], num_actions: int, length: int = 200, seed: int = 0) -> dict:
+        rng = np.random.default_rng(seed)
+        blocks = [rng.integers(0, 256, size=(length, *obs_shape), dtype=np.uint8) for _ in range(4)]
+        for i in range(self.capacity // length):
+            self.add(Segment(
+                obs=blocks[i % len(blocks)],
+                actions=rng.integers(0, num_actions, size=length),
+                rewards=rng.normal(size=length).astype(np.float32),
+                policies=rng.dirichlet(np.ones(num_actions), size=length).astype(np.float32),
+                root_values=rng.normal(size=length).astype(np.float32),
+                num_sampleable=length - 10, terminal=False, bootstrap_value=0.5,
+            ))
+        return {**self.stats(), "shared": self.shared_paths is not None}
+
+
+def _learner_cfg(batch: int, gpu: bool, v: Variant) -> LearnerConfig:
+    return LearnerConfig(batch_size=batch, lr=1e-3, lr_warmup_steps=100, device="cuda" if gpu else "cpu",
+                         compile=v.compile, compile_mode=v.compile_mode, channels_last=v.channels_last,
+                         steps_per_call=50)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    batch: int
+    compile: bool | None = None  # None: the default (on for CUDA)
+    channels_last: bool = False
+    compile_mode: str = LearnerConfig.compile_mode
+    bare_only: bool = False
+
+    def label(self) -> str:
+        parts = []
+        if self.compile is False:
+            parts.append("eager")
+        else:
+            parts.append(self.compile_mode)
+        parts.append("nhwc" if self.channels_last else "nchw")
+        return "+".join(parts)
+
+
+def _start(sizes: Sizes, world: int, v: Variant, gpu: bool, gpu_share: float = 1.0) -> Any:
+    """A learner actor (world 1, `gpu_share` of a GPU) or a LearnerGroup (`gpu_share` of a GPU per rank)."""
+    args = (sizes.model, _learner_cfg(v.batch, gpu, v), sizes.obs_shape, sizes.num_actions, 0, 1)
+    if world == 1:
+        return ray.remote(Learner).options(num_cpus=0, num_gpus=gpu_share if gpu else 0).remote(*args)
+    return ray.remote(LearnerGroup).options(num_cpus=0).remote(
+        *args, num_learners=world, gpus_per_rank=gpu_share if gpu else 0.0, cpus_per_rank=0.0
+    )
+
+
+def _stop(learner: Any) -> None:
+    try:
+        ray.get(learner.close.remote(), timeout=30)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    ray.kill(learner)
+
+
+def _bare(sizes: Sizes, learner: Any, replay: Any, batch: int, steps: int) -> dict[str, Any]:
+    bare = ray.get(learner.bench_steps.remote(replay.sample.remote(batch), steps))
+    return {"bare_samples_per_second": bare["samples_per_second"], "bare_steps_per_second": bare["steps_per_second"],
+            "bare_ms_per_step": bare["ms_per_step"], "compile": bare["compile"]}
+
+
+def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) -> dict[str, Any]:
+    row: dict[str, Any] = {"gpus": world, "batch_per_gpu": v.batch, "global_batch": v.batch * world,
+                           "variant": v.label()}
+    if not v.bare_only:
+        steps = sizes.steps_per_call
+        start = time.perf_counter()
+        for _ in range(sizes.timed_calls):
+            result = ray.get(learner.train.remote(replay, steps))
+            ray.get(learner.weights.remote())  # weight publication, as the driver does after every call
+        elapsed = time.perf_counter() - start
+        loop_steps = sizes.timed_calls * steps
+        row.update({
+            "loop_samples_per_second": loop_steps * v.batch * world / elapsed,
+            "loop_steps_per_second": loop_steps / elapsed,
+            "loop_ms_per_step": 1e3 * elapsed / loop_steps,
+            "obs_path": result.get("obs_path"), "stale_samples": result.get("stale_samples", 0.0),
+        })
+    row.update(_bare(sizes, learner, replay, v.batch, sizes.bare_steps))
+    if "loop_samples_per_second" in row:
+        row["loop_over_bare"] = row["loop_samples_per_second"] / row["bare_samples_per_second"]
+    return row
+
+
+def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
+        compile_mode: str = LearnerConfig.compile_mode,
+        alternatives: bool = True, overlap: bool = False) -> dict[str, Any]:
+    """All rows; `progress(partial results)` after each one (a run cut off still leaves its figures).
+
+    alternatives: also the other memory layout and an eager bare row at the largest batch (GPU).
+    overlap: start the multi-GPU group (ranks on 0.6 of a GPU each) together with the one-GPU learners (0.4),
+    so all compile at once; each is then measured while the others idle (one batch size, 2 GPUs).
+    """
+    began = time.perf_counter()
+    replay_cfg = ReplayConfig(capacity=sizes.capacity, unroll_steps=5, td_steps=5, min_size=0, shared_obs=True)
+    replay = ray.remote(SyntheticReplay).options(num_cpus=0).remote(replay_cfg, 0)
+    filled = replay.fill.remote(sizes.obs_shape, sizes.num_actions)
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    total_gpus = int(ray.cluster_resources().get("GPU", 0)) if gpu else 0
+
+    def report(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(_row_text(row), flush=True)
+        if progress is not None:
+            progress({"rows": rows, "notes": notes, "partial": True})
+
+    def over_budget(what: str) -> bool:
+        if time.perf_counter() - began > sizes.budget_s:
+            notes.append(f"skipped {what}: over the {sizes.budget_s:.0f}s budget")
+            print(notes[-1], flush=True)
+            return True
+        return False
+
+    # One GPU each: every variant's learner starts at once (sharing GPUs while they compile, which is CPU work);
+    # they are then measured one at a time while the others idle.
+    variants = [Variant(b, compile_mode=compile_mode) for b in sizes.batches]
+    if gpu and alternatives:
+        top = max(sizes.batches)
+        variants += [Variant(top, channels_last=True, compile_mode=compile_mode),
+                     Variant(top, compile=False, bare_only=True)]
+    overlapped: list[tuple[int, Variant, Any]] = []
+    if overlap and gpu and total_gpus == 2 and 2 in worlds and len(sizes.batches) == 1:
+        share = 0.4
+        v = Variant(sizes.batches[0], compile_mode=compile_mode)
+        overlapped.append((2, v, _start(sizes, 2, v, gpu, 0.6)))
+        worlds = [w for w in worlds if w != 2]
+    else:
+        share = 1.0 / -(-len(variants) // max(1, total_gpus)) if gpu else 0.0
+    learners = {v: _start(sizes, 1, v, gpu, share) for v in variants}
+    fill_info = ray.get(filled)
+    print(f"replay filled: {fill_info} in {time.perf_counter() - began:.1f}s", flush=True)
+    t0 = time.perf_counter()
+    warm = {v: (learners[v].bench_steps.remote(replay.sample.remote(v.batch), 1, 1) if v.bare_only
+                else learners[v].train.remote(replay, sizes.steps_per_call)) for v in variants}
+    warm_groups = [g.train.remote(replay, sizes.steps_per_call) for _, _, g in overlapped]
+    for v in variants:
+        try:
+            info = ray.get(warm[v])
+            print(f"1 x {v.batch} {v.label()}: warm at {time.perf_counter() - t0:.1f}s (compile {info['compile']})",
+                  flush=True)
+        except Exception as error:  # noqa: BLE001 - reported, the other variants go on
+            notes.append(f"1 x {v.batch} {v.label()} failed: {type(error).__name__}: {str(error)[:2000]}")
+            print(notes[-1], flush=True)
+            learners.pop(v)
+    for v, learner in learners.items():
+        report(_measure(sizes, learner, replay, 1, v))
+    for learner in learners.values():
+        _stop(learner)
+    for (world, v, group), ref in zip(overlapped, warm_groups):
+        try:
+            info = ray.get(ref)
+            print(f"{world} x {v.batch} {v.label()}: warm at {time.perf_counter() - t0:.1f}s "
+                  f"(compile {info['compile']})", flush=True)
+            report(_measure(sizes, group, replay, world, v))
+        except Exception as error:  # noqa: BLE001 - reported
+            notes.append(f"{world} x {v.batch} failed: {type(error).__name__}: {str(error)[:2000]}")
+            print(notes[-1], flush=True)
+        finally:
+            _stop(group)
+    # More GPUs: the faster layout at the largest batch.
+    nhwc = False
+    if gpu and alternatives:
+        top_rows = [r for r in rows if r["gpus"] == 1 and r["batch_per_gpu"] == max(sizes.batches)
+                    and "loop_samples_per_second" in r]
+        if top_rows:
+            nhwc = max(top_rows, key=lambda r: r["loop_samples_per_second"])["variant"].endswith("nhwc")
+    for world in worlds[1:]:
+        for b in sizes.batches:
+            v = Variant(b, channels_last=nhwc, compile_mode=compile_mode)
+            if over_budget(f"{world} x batch {b}"):
+                continue
+            t0 = time.perf_counter()
+            group = None
+            try:
+                group = _start(sizes, world, v, gpu)
+                info = ray.get(group.train.remote(replay, sizes.steps_per_call))
+                print(f"{world} x {b} {v.label()}: up and warm in {time.perf_counter() - t0:.1f}s "
+                      f"(compile {info['compile']})", flush=True)
+                report(_measure(sizes, group, replay, world, v))
+            except Exception as error:  # noqa: BLE001 - reported, the other configurations go on
+                notes.append(f"{world} x {b} failed: {type(error).__name__}: {str(error)[:2000]}")
+                print(notes[-1], flush=True)
+            finally:
+                if group is not None:
+                    _stop(group)
+    scaling = []
+    for row in rows:
+        if row["gpus"] > 1 and "loop_samples_per_second" in row:
+            one = next((r for r in rows if r["gpus"] == 1 and r["batch_per_gpu"] == row["batch_per_gpu"]
+                        and r["variant"] == row["variant"] and "loop_samples_per_second" in r), None)
+            if one:
+                scaling.append({
+                    "gpus": row["gpus"], "batch_per_gpu": row["batch_per_gpu"], "variant": row["variant"],
+                    "speedup": row["loop_samples_per_second"] / one["loop_samples_per_second"],
+                    "efficiency": row["loop_samples_per_second"] / (row["gpus"] * one["loop_samples_per_second"]),
+                    "bare_speedup": row["bare_samples_per_second"] / one["bare_samples_per_second"],
+                })
+    ray.kill(replay)
+    return {"rows": rows, "scaling": scaling, "replay": fill_info, "notes": notes,
+            "seconds": time.perf_counter() - began}
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    def f(key: str, fmt: str = "{:,.0f}") -> str:
+        return fmt.format(row[key]) if key in row else "-"
+
+    return (f"{row['gpus']} x {row['batch_per_gpu']:>5} {row.get('variant', ''):<10} loop {f('loop_samples_per_second'):>9} samples/s "
+            f"({f('loop_steps_per_second', '{:.1f}')} steps/s, {f('loop_ms_per_step', '{:.1f}')} ms)  "
+            f"bare {f('bare_samples_per_second'):>9} samples/s ({f('bare_ms_per_step', '{:.1f}')} ms)  "
+            f"compile {row.get('compile')}  obs {row.get('obs_path', '-')}")
+
+
+def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, ...] | None = None,
+         compile_mode: str = LearnerConfig.compile_mode, alternatives: bool = True, overlap: bool = False,
+         capacity: int | None = None, short: bool = False) -> dict[str, Any]:
+    """The benchmark (see the module docstring); the keyword options narrow a run (e.g. one batch size,
+    CUDA graphs, everything compiling at once) when device time is short."""
+    sizes = QUICK if quick else FULL
+    if batches:
+        sizes = dataclasses.replace(sizes, batches=tuple(batches))
+    if capacity:
+        sizes = dataclasses.replace(sizes, capacity=capacity)
+    if short:
+        sizes = dataclasses.replace(sizes, timed_calls=2, bare_steps=20)
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(include_dashboard=False, log_to_driver=True, **({"num_cpus": 2} if quick else {}))
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    gpu = gpus >= 1 and not quick
+    worlds = [1, 2] if not gpu else [w for w in (1, 2, 4) if w <= gpus]
+    print(f"bench learner: {'GPU' if gpu else 'CPU'}, worlds {worlds}, batches {sizes.batches}, obs {sizes.obs_shape}, "
+          f"compile mode {compile_mode}", flush=True)
+    header = {"quick": quick, "device": "cuda" if gpu else "cpu", "obs_shape": list(sizes.obs_shape),
+              "num_actions": sizes.num_actions, "model": dataclasses.asdict(sizes.model), "unroll_steps": 5,
+              "steps_per_call": sizes.steps_per_call, "timed_calls": sizes.timed_calls, "compile_mode": compile_mode,
+              "replay_capacity": sizes.capacity}
+
+    def progress(partial: dict[str, Any]) -> None:
+        if json_path:
+            write_json(json_path, "learner", {**header, **partial})
+
+    try:
+        results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap)
+    finally:
+        if started_here:
+            ray.shutdown()
+    one_1024 = max((r for r in results["rows"] if r["gpus"] == 1 and r["batch_per_gpu"] == 1024
+                    and "loop_samples_per_second" in r), key=lambda r: r["loop_samples_per_second"], default=None)
+    two_1024 = next((s for s in results["scaling"] if s["gpus"] == 2 and s["batch_per_gpu"] == 1024), None)
+    bars = {}
+    if gpu:
+        bars = {
+            "one_gpu_loop_1024_ge_40000": None if one_1024 is None else one_1024["loop_samples_per_second"] >= 40_000,
+            "two_gpu_speedup_1024_ge_1.8": None if two_1024 is None else two_1024["speedup"] >= 1.8,
+        }
+    document = write_json(json_path, "learner", {**header, "bars": bars, **results})
+    print("\nrows:")
+    for row in results["rows"]:
+        print("  " + _row_text(row))
+    for s in results["scaling"]:
+        print(f"  scaling {s['gpus']} x {s['batch_per_gpu']}: {s['speedup']:.2f}x loop "
+              f"(efficiency {s['efficiency']:.0%}), {s['bare_speedup']:.2f}x bare")
+    if bars:
+        print(f"  bars: {bars}")
+    return document
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--batches", default="", help="comma-separated batch sizes per GPU (default 1024,256)")
+    parser.add_argument("--compile-mode", default=LearnerConfig.compile_mode)
+    parser.add_argument("--no-alternatives", action="store_true", help="skip the other-layout and eager rows")
+    parser.add_argument("--overlap", action="store_true", help="compile the 1- and 2-GPU learners at once")
+    parser.add_argument("--capacity", type=int, default=0)
+    parser.add_argument("--short", action="store_true", help="2 timed calls and 20 bare steps per row")
+    args = parser.parse_args()
+    main(args.quick, args.json, tuple(int(b) for b in args.batches.split(",") if b), args.compile_mode,
+         not args.no_alternatives, args.overlap, args.capacity or None, args.short)
