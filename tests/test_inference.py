@@ -525,3 +525,33 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
         np.testing.assert_allclose(after["policy_logits"], model.initial(torch.from_numpy(obs[0])).policy_logits.numpy(),
                                    rtol=1e-5, atol=1e-6)
     assert after["version"] == 2
+
+
+def test_selfplay_in_whole_search_mode_through_ray():
+    """Central mode with whole searches (the GPU default), here on the CPU: one inference call per env step."""
+    import ray
+
+    from rayzero.actors.evaluator import RemoteEvaluator
+    from rayzero.actors.selfplay import SelfPlayWorker
+    from rayzero.config import EnvConfig, ReplayConfig
+    from rayzero.replay import ReplayBuffer
+    from rayzero.tree import SearchConfig
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        search_cfg = SearchConfig(num_simulations=6)
+        cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=500)
+        actor = ray.remote(InferenceServer).options(max_concurrency=100).remote(
+            MODEL, cfg, (4,), 2, 0, search_cfg=search_cfg, discount=0.99)
+        replay = ReplayBuffer(ReplayConfig(capacity=1000, segment_length=10, min_size=0))
+        worker = SelfPlayWorker(
+            EnvConfig(id="CartPole-v1", num_envs=3), MODEL, search_cfg,
+            ReplayConfig(capacity=1000, segment_length=10, min_size=0), seed=0, sink=replay.add,
+            evaluator=RemoteEvaluator(actor, 0.99, "sp-0", whole_search=True),
+        )
+        result = worker.collect(30, temperature=1.0)
+        assert result["env_steps"] == 90 and result["transitions_sent"] > 0
+        batch = replay.sample(8)
+        np.testing.assert_allclose(batch.target_policies[:, 0].sum(-1), 1.0, rtol=1e-5)
+    finally:
+        ray.shutdown()

@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name")
     bench.add_argument("--quick", action="store_true", help="smoke size that runs on a 2-core CPU")
     bench.add_argument("--json", default=None, help="write the results here")
+    bench.add_argument("--trace", default=None, help="inference: write a Chrome trace of the batcher here")
     return parser
 
 
@@ -122,7 +123,12 @@ def _bench(args: argparse.Namespace) -> int:
         module = importlib.import_module(f"rayzero.bench.{args.name}")
     except ModuleNotFoundError:
         raise UsageError(f"benchmark {args.name!r} is not built yet") from None
-    module.main(quick=args.quick, json_path=args.json)
+    if args.trace:
+        if args.name != "inference":
+            raise UsageError("--trace is only for `rayzero bench inference`")
+        module.main(quick=args.quick, json_path=args.json, trace_path=args.trace)
+    else:
+        module.main(quick=args.quick, json_path=args.json)
     return 0
 
 

@@ -54,10 +54,17 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 class RemoteEvaluator:
     """Evaluates through the central inference actor; latents stay there, referred to by slot handles."""
 
-    def __init__(self, server: Any, discount: float, client_id: str):
+    def __init__(self, server: Any, discount: float, client_id: str, whole_search: bool = False):
         self.server = server
         self.discount = discount
         self.client_id = client_id
+        self.whole_search = whole_search
+
+    def search(self, obs: np.ndarray, temperature: float) -> dict[str, np.ndarray]:
+        """A whole search on the inference actor: action [B], action_weights [B, A], root_value [B]."""
+        import ray
+
+        return ray.get(self.server.search.remote(self.client_id, obs, temperature=temperature))
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The inference actor receives weights from the driver directly."""

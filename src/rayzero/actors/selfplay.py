@@ -80,17 +80,23 @@ class SelfPlayWorker:
 
     def step(self, temperature: float) -> list[Segment]:
         """One env step of every env: search, act, record; returns the segments completed by this step."""
-        config = dataclasses.replace(self.search_cfg, temperature=temperature)
-        root = self.evaluator.root(self.obs)
-        out = search(root, self.evaluator.recurrent_fn, config.num_simulations, config, generator=self.generator)
-        self.evaluator.release()
-        actions = out.action.cpu().numpy()
+        if getattr(self.evaluator, "whole_search", False):
+            answer = self.evaluator.search(self.obs, temperature)
+            actions, policy, root_value = answer["action"], answer["action_weights"], answer["root_value"]
+        else:
+            config = dataclasses.replace(self.search_cfg, temperature=temperature)
+            root = self.evaluator.root(self.obs)
+            out = search(root, self.evaluator.recurrent_fn, config.num_simulations, config, generator=self.generator)
+            self.evaluator.release()
+            actions = out.action.cpu().numpy()
+            policy = out.action_weights.float().cpu().numpy()
+            root_value = out.root_value.float().cpu().numpy()
         rows = np.arange(self.num_envs)
         t = self.length
         self.buf_obs[rows, t] = self.obs
         self.buf_action[rows, t] = actions
-        self.buf_policy[rows, t] = out.action_weights.float().cpu().numpy()
-        self.buf_value[rows, t] = out.root_value.float().cpu().numpy()
+        self.buf_policy[rows, t] = policy
+        self.buf_value[rows, t] = root_value
         result = self.env.step(actions)
         self.buf_reward[rows, t] = result.reward
         self.length += 1

@@ -104,7 +104,8 @@ def build(config: Config, spec: EnvSpec) -> Handles:
     if p.inference is not None:
         inference_cfg = dataclasses.replace(config.inference, device=p.inference_device)
         inference = ray.remote(InferenceServer).options(**p.inference).remote(
-            config.model, inference_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads
+            config.model, inference_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads,
+            obs_dtype=spec.observation_dtype, search_cfg=config.search, discount=config.replay.discount,
         )
     # Elastic self-play: actors beyond what fits now stay pending; pending actors are the resource demand
     # that an autoscaler acts on, and they start as soon as a node with room joins.
@@ -140,18 +141,22 @@ def make_selfplay(config: Config, p: Plan, replay: Any, inference: Any, index: i
     return ray.remote(_RemoteSelfPlay).options(**p.selfplay).remote(
         config.env, config.model, config.search, config.replay, config.run.seed * 1000 + index + 1,
         config.cluster.torch_threads, replay, inference, f"selfplay-{index}",
+        # On a GPU the inference actor runs whole searches as CUDA-graph replays: one call per env step.
+        whole_search=p.inference_device == "cuda",
     )
 
 
 class _RemoteSelfPlay(SelfPlayWorker):
     """A self-play worker whose segments go to the replay actor and whose evaluator may be the inference actor."""
 
-    def __init__(self, env_cfg, model_cfg, search_cfg, replay_cfg, seed, torch_threads, replay, inference, name):
+    def __init__(self, env_cfg, model_cfg, search_cfg, replay_cfg, seed, torch_threads, replay, inference, name,
+                 whole_search=False):
         from rayzero.actors.evaluator import RemoteEvaluator
 
         evaluator = None
         if inference is not None:
             # The pid makes a restarted actor a new client, so its predecessor's slots get reclaimed.
-            evaluator = RemoteEvaluator(inference, replay_cfg.discount, f"{name}-{os.getpid()}")
+            evaluator = RemoteEvaluator(inference, replay_cfg.discount, f"{name}-{os.getpid()}",
+                                        whole_search=whole_search)
         super().__init__(env_cfg, model_cfg, search_cfg, replay_cfg, seed=seed, sink=replay.add.remote,
                          evaluator=evaluator, torch_threads=torch_threads)
