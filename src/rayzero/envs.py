@@ -92,6 +92,26 @@ class BatchedEnv(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    # Shared bookkeeping of the two backends: `_returns` / `_lengths` ([E]) are set up by each __init__.
+
+    def _checked_actions(self, actions: np.ndarray) -> np.ndarray:
+        actions = np.asarray(actions, dtype=np.int64)
+        if actions.shape != (self.num_envs,):
+            raise ValueError(f"expected actions of shape ({self.num_envs},), got {actions.shape}")
+        return actions
+
+    def _count(self, raw_reward: np.ndarray) -> None:
+        self._returns += raw_reward
+        self._lengths += 1
+
+    def _end_episodes(self, ended: np.ndarray) -> tuple[list[float], list[int]]:
+        """Returns and lengths of the envs in `ended` (bool [E]), whose counters restart at 0."""
+        idx = np.flatnonzero(ended)
+        returns, lengths = self._returns[idx].tolist(), self._lengths[idx].tolist()
+        self._returns[idx] = 0.0
+        self._lengths[idx] = 0
+        return returns, lengths
+
     def __enter__(self) -> BatchedEnv:  # noqa: PYI034 (typing.Self needs 3.11)
         return self
 
@@ -285,25 +305,18 @@ class _GymBatchedEnv(BatchedEnv):
         return self._transform(obs)
 
     def step(self, actions: np.ndarray) -> StepResult:
-        actions = np.asarray(actions, dtype=np.int64)
-        if actions.shape != (self.num_envs,):
-            raise ValueError(f"expected actions of shape ({self.num_envs},), got {actions.shape}")
+        actions = self._checked_actions(actions)
         if self._action_start:
             actions = actions + self._action_start
         obs, reward, terminated, truncated, info = self._vec.step(actions)
         raw = np.asarray(reward, dtype=np.float32)
-        self._returns += raw
-        self._lengths += 1
+        self._count(raw)
         done = terminated | truncated
         final_obs = None
         returns: list[float] = []
         lengths: list[int] = []
         if done.any():
-            idx = np.flatnonzero(done)
-            returns = self._returns[idx].tolist()
-            lengths = self._lengths[idx].tolist()
-            self._returns[idx] = 0.0
-            self._lengths[idx] = 0
+            returns, lengths = self._end_episodes(done)
             # SyncVectorEnv (same-step) puts the last observations in an object array, None for envs
             # that did not end: fill those rows with the current observation to get one dense batch.
             finals = info["final_obs"]
@@ -384,15 +397,10 @@ class _AtariBatchedEnv(BatchedEnv):
         return self._format(obs)
 
     def step(self, actions: np.ndarray) -> StepResult:
-        actions = np.asarray(actions)
-        if actions.dtype != np.int64 and actions.dtype != np.int32:
-            actions = actions.astype(np.int64)
-        if actions.shape != (self.num_envs,):
-            raise ValueError(f"expected actions of shape ({self.num_envs},), got {actions.shape}")
+        actions = self._checked_actions(actions)
         obs, reward, terminated, truncated, info = self._env.step(actions)
         raw = reward.astype(np.float32)
-        self._returns += raw
-        self._lengths += 1
+        self._count(raw)
         done = terminated | truncated
         final_obs = None
         returns: list[float] = []
@@ -419,11 +427,7 @@ class _AtariBatchedEnv(BatchedEnv):
                 final[life_only] = obs[life_only]
             final_obs = self._format(final)
             if game_over.any():
-                idx = np.flatnonzero(game_over)
-                returns = self._returns[idx].tolist()
-                lengths = self._lengths[idx].tolist()
-                self._returns[idx] = 0.0
-                self._lengths[idx] = 0
+                returns, lengths = self._end_episodes(game_over)
         if self._life_loss:
             self._lives = np.array(info["lives"], dtype=np.int32)
             self._frames = np.array(info["episode_frame_number"], dtype=np.int32)

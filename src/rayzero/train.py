@@ -116,7 +116,6 @@ class Driver:
         self.learner_steps = 0
         self.episodes = 0
         self.wall_before = 0.0
-        self.version = 0
         self.last_eval: dict[str, Any] | None = None
         self.best_eval = -math.inf
         self.train_returns: list[float] = []
@@ -280,7 +279,6 @@ class Driver:
                         print(f"rayzero: the learner group restarted from its last checkpoint "
                               f"(learner steps {self.learner_steps} -> {result['learner_steps']})", flush=True)
                     self.learner_steps = result["learner_steps"]
-                    self.version = result["version"]
                     self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float)}
                     weights = handles.learner.weights.remote()
                     if handles.inference is not None:
