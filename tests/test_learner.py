@@ -168,6 +168,43 @@ def test_shared_obs_are_gathered_by_the_learner_and_rewrites_are_dropped():
     assert np.all(item.tensors["weights"].numpy()[~rewritten] == batch.weights[~rewritten])
 
 
+def test_device_obs_cache_serves_sampled_positions_and_refreshes_rewritten_ones():
+    from rayzero.learner.prefetch import ObsStore, Staging
+
+    cfg = ReplayConfig(capacity=100, unroll_steps=2, td_steps=2, min_size=0, shared_obs=True, next_obs=True,
+                       bootstrap_obs=True)
+    buffer = ReplayBuffer(cfg, seed=0)
+    for s in image_segments(count=5):
+        buffer.add(s)
+    store = ObsStore.open(buffer.obs_store(), threads=2)
+    staging = Staging(torch.device("cpu"), store, obs_cache=True)  # the CUDA logic, on a CPU "device"
+    obs = buffer._arrays["obs"]
+
+    def check(batch, item):
+        for name, index in (("obs", batch.indices), ("next_obs", batch.next_index),
+                            ("bootstrap_obs", batch.bootstrap_index)):
+            np.testing.assert_array_equal(item.tensors[name].numpy(), obs[index], err_msg=name)
+
+    batch = buffer.sample(40, with_obs=False)
+    item = staging.upload(batch)
+    check(batch, item)
+    first = staging.cache.uploaded
+    assert item.stale == 0 and first > 0
+    item = staging.upload(batch)  # the same positions again: all served from the cache
+    check(batch, item)
+    assert staging.cache.uploaded == first
+    # New data overwrites the oldest segment: the old batch's samples there are stale (weight 0), and a fresh
+    # batch gets the new observations, not the cached old ones.
+    buffer.add(next(image_segments(seed=9, count=1)))
+    item = staging.upload(batch)
+    rewritten = buffer._arrays["generation"][batch.indices] != batch.generations
+    assert item.stale == rewritten.sum() > 0
+    assert np.all(item.tensors["weights"].numpy()[rewritten] == 0)
+    for _ in range(5):
+        fresh = buffer.sample(64, with_obs=False)
+        check(fresh, staging.upload(fresh))
+
+
 def test_options_resume_exactly(tmp_path):
     """Target network, consistency heads and NHWC: resuming from a checkpoint continues bit for bit."""
     model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)

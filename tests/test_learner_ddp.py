@@ -107,3 +107,51 @@ def test_a_dead_rank_restarts_the_group_from_the_last_checkpoint(group, tmp_path
     drift_from_saved = sum(float((now[k] - saved_weights[k]).abs().sum()) for k in now)
     drift_from_fresh = sum(float((now[k] - fresh[k]).abs().sum()) for k in now)
     assert drift_from_saved < drift_from_fresh
+
+
+def test_each_rank_samples_its_own_replay_shard(group, tmp_path):
+    shards = [ray.remote(ReplayBuffer).options(num_cpus=0).remote(REPLAY, i) for i in range(2)]
+    ray.get([shard.add.remote(s) for i, shard in enumerate(shards) for s in segments(seed=10 + i)])
+    result = ray.get(group.train.remote(shards, 3))
+    assert result["samples"] > 0
+    ray.get([shard.snapshot.remote(str(tmp_path / f"replay-{i}.npz")) for i, shard in enumerate(shards)])
+    for i in range(2):
+        with np.load(tmp_path / f"replay-{i}.npz") as data:
+            sampleable = data["sampleable"]
+            # New segments enter at priority 1.0; the rank that sampled this shard sent back value errors.
+            updated = sampleable & (data["priority"] != 1.0)
+        assert updated.sum() > 0, f"shard {i} got no priority updates"
+    ray.get(group.train.remote(shards[:1], 1))  # one shard for both ranks also works
+    for shard in shards:
+        ray.kill(shard)
+
+
+def test_reanalyse_worker_writes_the_latest_network_targets(ray_session, tmp_path):
+    from rayzero.learner.reanalyse import ReanalyseWorker
+    from rayzero.tree import SearchConfig
+
+    search_cfg = SearchConfig(num_simulations=8, dirichlet_fraction=0.0)  # no noise: a deterministic search
+    replay = ray.remote(ReplayBuffer).options(num_cpus=0).remote(REPLAY, 0)
+    ray.get([replay.add.remote(s) for s in segments(seed=3)])
+    ray.get(replay.snapshot.remote(str(tmp_path / "before.npz")))
+    weights = Learner(MODEL, LEARNER, (4,), 2, seed=1).weights()
+    worker = ray.remote(ReanalyseWorker).options(num_cpus=0).remote(MODEL, search_cfg, 0.9, (4,), 2, 0)
+    result = ray.get(worker.reanalyse.remote(replay, weights, 32))
+    assert result["positions"] == 32 and result["updated"] == 32 and result["version"] == weights[0]
+    assert ray.get(replay.stats.remote())["reanalysed"] == 32
+    ray.get(replay.snapshot.remote(str(tmp_path / "after.npz")))
+
+    local = ReanalyseWorker(MODEL, search_cfg, 0.9, (4,), 2, 0)
+    local.set_weights(*weights)
+    with np.load(tmp_path / "before.npz") as before, np.load(tmp_path / "after.npz") as after:
+        alive = np.flatnonzero(after["alive"])
+        policies, values = local.targets(after["obs"][alive])
+        changed = ~np.isclose(before["policy"][alive], after["policy"][alive]).all(-1)
+        # Up to 32 distinct positions were re-searched; each now holds exactly this network's search targets,
+        # and every other position kept what self-play stored.
+        assert 1 <= changed.sum() <= 32
+        np.testing.assert_allclose(after["policy"][alive][changed], policies[changed], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(after["root_value"][alive][changed], values[changed], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(after["policy"][alive][~changed], before["policy"][alive][~changed])
+    ray.kill(worker)
+    ray.kill(replay)

@@ -125,3 +125,35 @@ def test_bad_segments_are_rejected():
         buffer.add(bad)
     with pytest.raises(ValueError, match="empty"):
         buffer.sample(4)
+
+
+def test_reanalysed_targets_replace_stored_ones_and_skip_overwritten_positions():
+    cfg = ReplayConfig(capacity=20, unroll_steps=2, td_steps=3, discount=0.5, min_size=0)
+    buffer = ReplayBuffer(cfg, seed=0)
+    assert buffer.sample_positions(4) is None  # nothing stored yet
+    buffer.add(segment(10))
+    job = buffer.sample_positions(8)
+    assert job["indices"].shape == (8,) and job["obs"].shape == (8, 3)
+    np.testing.assert_array_equal(job["obs"][:, 0], job["indices"])  # obs of segment(10) at t is t
+    policies = np.tile([0.9, 0.1], (8, 1)).astype(np.float32)
+    values = np.full(8, 100.0, dtype=np.float32)
+    assert buffer.update_targets(job["indices"], job["generations"], policies, values) == 8
+    first = int(job["indices"][0])
+    batch = targets_at(buffer, first)
+    np.testing.assert_allclose(batch.target_policies[0, 0], [0.9, 0.1])
+    assert buffer.stats()["reanalysed"] == 8
+    # A reanalysed search value is the n-step bootstrap of the positions n steps before it.
+    every = np.arange(10)
+    generations = buffer._arrays["generation"][every]
+    buffer.update_targets(every, generations, np.tile([0.5, 0.5], (10, 1)), np.full(10, 100.0))
+    assert targets_at(buffer, 2).target_values[0, 0] == pytest.approx(1 + 0.5 + 0.25 + 0.125 * 100)
+    # Overwrite the positions: an answer for the old generations changes nothing.
+    buffer.add(segment(10))
+    buffer.add(segment(10))
+    before = buffer._arrays["policy"].copy()
+    assert buffer.update_targets(job["indices"], job["generations"], policies, values) == 0
+    np.testing.assert_array_equal(before, buffer._arrays["policy"])
+    with pytest.raises(ValueError, match="do not match"):
+        buffer.update_targets(job["indices"], job["generations"], policies[:, :1], values)
+    with pytest.raises(ValueError, match="count=0"):
+        buffer.sample_positions(0)

@@ -50,6 +50,22 @@ def test_resume_continues_counters_and_replay(tmp_path):
     assert second["replay_total_added"] > first["replay_total_added"]
 
 
+def test_two_learner_ranks_with_replay_shards_and_reanalyse_resume(tmp_path):
+    """cluster.num_learners=2 on the CPU (gloo DDP): one replay shard per rank, both checkpointed and restored;
+    a reanalyse worker refreshes targets in both shards."""
+    two = ["cluster.num_learners=2", "cluster.learner_cpus=0", "reanalyse.fraction=0.25", "cluster.reanalyse_cpus=0",
+           *SMALL]
+    rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "run.max_env_steps=1500", *two)
+    first = json.loads((tmp_path / "summary.json").read_text())
+    assert first["learner_steps"] > 0 and first["replay_size"] > 0 and first["reanalysed_this_run"] > 0
+    newest = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]
+    assert (newest / "replay-0.npz").exists() and (newest / "replay-1.npz").exists()
+    rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "--resume", "run.max_env_steps=2500", *two)
+    second = json.loads((tmp_path / "summary.json").read_text())
+    assert second["replay_size_at_start"] == first["replay_size"]
+    assert second["learner_steps"] == first["learner_steps"] + second["learner_steps_this_run"]
+
+
 def test_atari_smoke_train_then_eval(tmp_path):
     run_dir = tmp_path / "pong"
     rayzero(

@@ -140,10 +140,14 @@ class ReplayConfig:
     bootstrap_obs: bool = False
     """Batches carry the observations n = td_steps ahead and leave the stored search value out of the value
     target, so the learner bootstraps with its target network (needed by learner.target_update_interval > 0)."""
+    shards: int = 0
+    """Replay actors (0 = one per learner rank). Each holds capacity/shards transitions; self-play actor i writes
+    to shard i % shards and learner rank r samples shard r % shards, so no single actor serves every rank."""
 
     def __post_init__(self) -> None:
         _check("replay", self, [
             ("capacity", self.capacity >= 1, ">= 1"),
+            ("shards", self.shards >= 0, ">= 0 (0 = one per learner rank)"),
             ("unroll_steps", self.unroll_steps >= 1, ">= 1"),
             ("td_steps", self.td_steps >= 1, ">= 1"),
             ("discount", 0.0 < self.discount <= 1.0, "in (0, 1]"),
@@ -151,6 +155,23 @@ class ReplayConfig:
             ("priority_beta", self.priority_beta >= 0, ">= 0"),
             ("segment_length", self.segment_length >= 1, ">= 1"),
             ("min_size", 0 <= self.min_size <= self.capacity, "between 0 and replay.capacity"),
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class ReanalyseConfig:
+    """Reanalyse (MuZero Reanalyze): workers re-run the search on stored positions with the latest weights and
+    replace those positions' policy targets and search values (the n-step bootstraps) in replay."""
+
+    fraction: float = 0.0
+    """Positions re-searched per sample the learner trains on (0 = off; 0.5 = one for every two samples)."""
+    batch_size: int = 256
+    """Positions per reanalyse call: one batched search over them."""
+
+    def __post_init__(self) -> None:
+        _check("reanalyse", self, [
+            ("fraction", self.fraction >= 0, ">= 0 (0 = off)"),
+            ("batch_size", self.batch_size >= 1, ">= 1"),
         ])
 
 
@@ -202,6 +223,9 @@ class LearnerConfig:
     """Batches sampled, gathered into pinned memory and copied to the device ahead of the update (0 = in line)."""
     gather_threads: int = 4
     """Threads gathering observations from the replay's shared memory (replay.shared_obs) into pinned memory."""
+    obs_cache: bool | None = None
+    """Keep a copy of the replay's shared observations in device memory, filled as positions are sampled, so
+    only new positions cross the host (None = on CUDA when the whole replay fits in half the free memory)."""
     target_update_interval: int = 0
     """Learner steps between copies of the network into the target network that computes the n-step value
     bootstraps (0 = no target network: the stored search values bootstrap). Needs replay.bootstrap_obs=true."""
@@ -310,6 +334,12 @@ class ClusterConfig:
     """GPUs for the central inference actor."""
     eval_cpus: float = 0.0
     """CPUs reserved for the evaluation actor."""
+    num_reanalyse_workers: int = 1
+    """Reanalyse actors (used when reanalyse.fraction > 0)."""
+    reanalyse_cpus: float = 1.0
+    """CPUs per reanalyse actor."""
+    reanalyse_gpus: float = 0.0
+    """GPUs (or a share of one) per reanalyse actor: its searches then run on that GPU."""
     torch_threads: int = 1
     """torch intra-op threads in each actor."""
     max_selfplay_actors: int = 0
@@ -334,6 +364,9 @@ class ClusterConfig:
             ("replay_cpus", self.replay_cpus >= 0, ">= 0"),
             ("inference_gpus", self.inference_gpus >= 0, ">= 0"),
             ("eval_cpus", self.eval_cpus >= 0, ">= 0"),
+            ("num_reanalyse_workers", self.num_reanalyse_workers >= 1, ">= 1"),
+            ("reanalyse_cpus", self.reanalyse_cpus >= 0, ">= 0"),
+            ("reanalyse_gpus", self.reanalyse_gpus >= 0, ">= 0"),
             ("torch_threads", self.torch_threads >= 1, ">= 1"),
             ("num_cpus", self.num_cpus >= 0, ">= 0"),
             ("max_selfplay_actors", self.max_selfplay_actors == 0 or self.max_selfplay_actors >= self.num_selfplay_actors,
@@ -393,6 +426,7 @@ class Config:
     search: SearchConfig = dataclasses.field(default_factory=SearchConfig)
     replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
     learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+    reanalyse: ReanalyseConfig = dataclasses.field(default_factory=ReanalyseConfig)
     inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)

@@ -115,6 +115,7 @@ class Driver:
         self.env_steps = 0
         self.learner_steps = 0
         self.episodes = 0
+        self.reanalysed = 0  # positions re-searched by reanalyse workers in this run
         self.wall_before = 0.0
         self.last_eval: dict[str, Any] | None = None
         self.best_eval = -math.inf
@@ -127,8 +128,7 @@ class Driver:
 
     def save_checkpoint(self, handles: cluster.Handles) -> Path:
         staging = ckpt.staging_dir(self.run_dir, self.learner_steps)
-        ray.get([handles.learner.save.remote(str(staging)),
-                 handles.replay.snapshot.remote(str(staging / "replay.npz"))])
+        ray.get([handles.learner.save.remote(str(staging)), *handles.replay.snapshot(staging)])
         counters = ray.get(handles.learner.counters.remote())
         self.learner_steps = counters["learner_steps"]
         state = {
@@ -161,9 +161,8 @@ class Driver:
         self.env_steps_at_start, self.learner_steps_at_start = self.env_steps, self.learner_steps
         self.replay_at_start = {"size": 0, "total_added": 0}
         if checkpoint is not None:
-            ray.get([handles.learner.load.remote(str(checkpoint)),
-                     handles.replay.restore.remote(str(checkpoint / "replay.npz"))])
-            self.replay_at_start = ray.get(handles.replay.stats.remote())
+            ray.get([handles.learner.load.remote(str(checkpoint)), *handles.replay.restore(checkpoint)])
+            self.replay_at_start = handles.replay.stats()
             print(f"rayzero: resumed from {checkpoint} at env_steps={self.env_steps} "
                   f"learner_steps={self.learner_steps}, replay {self.replay_at_start['size']} transitions", flush=True)
         self.replay_transitions = self.replay_at_start["total_added"]
@@ -200,6 +199,9 @@ class Driver:
         losses_in_a_row = 0
         busy: set[int] = set()
         learner_busy = eval_busy = False
+        reanalyse_cfg = config.reanalyse
+        reanalysing: set[int] = set()
+        reanalyse_calls = 0
         next_eval = time.perf_counter() + run.eval_interval
         next_log = time.perf_counter() + run.log_interval
         next_checkpoint = (self.learner_steps // learner_cfg.checkpoint_interval + 1) * learner_cfg.checkpoint_interval
@@ -232,8 +234,15 @@ class Driver:
                     busy.add(i)
             # Schedule the learner while it is behind.
             if not learner_busy and learner_ready and learner_samples < target + samples_per_call:
-                pending[handles.learner.train.remote(handles.replay, learner_cfg.steps_per_call)] = ("learn", 0)
+                pending[handles.learner.train.remote(handles.replay.for_learner(), learner_cfg.steps_per_call)] = ("learn", 0)
                 learner_busy = True
+            # Reanalyse while it is behind its share of the samples trained on (round-robin over shards).
+            for i, worker in enumerate(handles.reanalyse):
+                if i not in reanalysing and learner_ready and self.reanalysed < reanalyse_cfg.fraction * learner_samples:
+                    shard = handles.replay.actors[reanalyse_calls % len(handles.replay)]
+                    reanalyse_calls += 1
+                    pending[worker.reanalyse.remote(shard, weights, reanalyse_cfg.batch_size)] = ("reanalyse", i)
+                    reanalysing.add(i)
             if not eval_busy and now >= next_eval and self.learner_steps > 0:
                 eval_weights = weights
                 ref = handles.evaluator.evaluate.remote(weights, run.eval_episodes, run.eval_max_steps,
@@ -286,6 +295,13 @@ class Driver:
                     if self.learner_steps >= next_checkpoint:
                         self.save_checkpoint(handles)
                         next_checkpoint += learner_cfg.checkpoint_interval
+                elif kind == "reanalyse":
+                    reanalysing.discard(index)
+                    try:
+                        self.reanalysed += ray.get(ref)["positions"]
+                    except ray.exceptions.RayActorError as error:  # Ray restarts the worker; the loop goes on
+                        print(f"rayzero: reanalyse worker {index} failed ({type(error).__name__}); retrying",
+                              flush=True)
                 else:
                     eval_busy = False
                     result = ray.get(ref)
@@ -335,12 +351,13 @@ class Driver:
             "selfplay_actors_active": len(self.active), "replay_transitions": self.replay_transitions,
             "learner_steps": self.learner_steps, "env_steps_per_second": (self.env_steps - env0) / elapsed,
             "learner_steps_per_second": (self.learner_steps - learn0) / elapsed, "episodes": self.episodes,
+            "reanalysed": self.reanalysed,
             **self.last_metrics,
         }
         if recent:
             row["train_return_mean"] = float(np.mean(recent))
         try:
-            row["replay_size"] = ray.get(handles.replay.stats.remote(), timeout=10)["size"]
+            row["replay_size"] = handles.replay.stats(timeout=10)["size"]
         except ray.exceptions.GetTimeoutError:
             pass
         log.write(row)
@@ -360,7 +377,7 @@ class Driver:
                                                                run.seed + 10_000))
             self._record_eval(result, log)
         path = self.save_checkpoint(handles)
-        replay_stats = ray.get(handles.replay.stats.remote())
+        replay_stats = handles.replay.stats()
         wall = self.wall_before + time.perf_counter() - self.start
         summary = {
             "env_id": self.config.env.id,
@@ -373,6 +390,7 @@ class Driver:
             "eval_returns": self.last_eval["returns"],
             "best_eval_return": self.best_eval,
             "episodes": self.episodes,
+            "reanalysed_this_run": self.reanalysed,
             "weights_version": version,
             "checkpoint": str(path),
             "stop_reason": self.stop_reason,

@@ -2,13 +2,17 @@
 
 Real loop: a replay actor (shared-memory observations) filled with synthetic Atari-sized segments
 (12x96x96 uint8 observations, 18 actions, K=5, n=5); the learner actor, or a `LearnerGroup` of N DDP ranks,
-runs `train(replay, 50)` calls: every rank samples its own batches from the replay actor, gathers the
-observations into pinned memory and copies them to its GPU ahead of the update, sends priorities back; after
-each call the driver fetches the published weights (`weights()`), as the training driver does.
+runs `train(replay, 50)` calls: every rank samples its own batches from its replay shard (one shard per rank,
+as `replay.shards=0` gives in training), gathers the observations into pinned memory and copies them to its
+GPU ahead of the update, sends priorities back; after each call the driver fetches the published weights
+(`weights()`), as the training driver does.
 Bare: `bench_steps` in the same learner process on one batch kept on the device (no sampling, no Ray calls
 in the loop), so the two rows show what the data path costs. Net: the EfficientZero-sized ResNet of
 ANCHORS.md (64 channels, 1 block, 601-bin supports), AdamW, bf16 autocast, torch.compile on CUDA (by default
 with CUDA graphs, learner.compile_mode).
+
+Reanalyse: positions per second that one reanalyse worker re-searches (50 simulations, batches 256 and 1024)
+on one GPU, in the driver process after the learner rows.
 
 Rows per (GPUs, batch per GPU) for batch 1024 and 256; on GPUs also the NHWC layout and an eager bare row at
 1024 on one GPU. Scaling efficiency = samples/s on N GPUs / (N x samples/s on one), same per-GPU batch.
@@ -117,7 +121,8 @@ def _stop(learner: Any) -> None:
 
 
 def _bare(sizes: Sizes, learner: Any, replay: Any, batch: int, steps: int) -> dict[str, Any]:
-    bare = ray.get(learner.bench_steps.remote(replay.sample.remote(batch), steps))
+    one = replay[0] if isinstance(replay, list) else replay
+    bare = ray.get(learner.bench_steps.remote(one.sample.remote(batch), steps))
     return {"bare_samples_per_second": bare["samples_per_second"], "bare_steps_per_second": bare["steps_per_second"],
             "bare_ms_per_step": bare["ms_per_step"], "compile": bare["compile"]}
 
@@ -138,6 +143,7 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) ->
             "loop_steps_per_second": loop_steps / elapsed,
             "loop_ms_per_step": 1e3 * elapsed / loop_steps,
             "obs_path": result.get("obs_path"), "stale_samples": result.get("stale_samples", 0.0),
+            "obs_cache_uploaded": result.get("obs_cache_uploaded"),
         })
     row.update(_bare(sizes, learner, replay, v.batch, sizes.bare_steps))
     if "loop_samples_per_second" in row:
@@ -156,8 +162,11 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     """
     began = time.perf_counter()
     replay_cfg = ReplayConfig(capacity=sizes.capacity, unroll_steps=5, td_steps=5, min_size=0, shared_obs=True)
-    replay = ray.remote(SyntheticReplay).options(num_cpus=0).remote(replay_cfg, 0)
-    filled = replay.fill.remote(sizes.obs_shape, sizes.num_actions)
+    # One shard per rank of the largest group (each of the full capacity, filled in parallel); the one-GPU
+    # rows sample shard 0, a group of w ranks shards 0..w-1.
+    shards = [ray.remote(SyntheticReplay).options(num_cpus=0).remote(replay_cfg, i) for i in range(max(worlds))]
+    replay = shards[0]
+    filled_all = [shard.fill.remote(sizes.obs_shape, sizes.num_actions, seed=i) for i, shard in enumerate(shards)]
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     total_gpus = int(ray.cluster_resources().get("GPU", 0)) if gpu else 0
@@ -191,12 +200,12 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     else:
         share = 1.0 / -(-len(variants) // max(1, total_gpus)) if gpu else 0.0
     learners = {v: _start(sizes, 1, v, gpu, share) for v in variants}
-    fill_info = ray.get(filled)
+    fill_info = ray.get(filled_all)[0]
     print(f"replay filled: {fill_info} in {time.perf_counter() - began:.1f}s", flush=True)
     t0 = time.perf_counter()
     warm = {v: (learners[v].bench_steps.remote(replay.sample.remote(v.batch), 1, 1) if v.bare_only
                 else learners[v].train.remote(replay, sizes.steps_per_call)) for v in variants}
-    warm_groups = [g.train.remote(replay, sizes.steps_per_call) for _, _, g in overlapped]
+    warm_groups = [g.train.remote(shards[:world], sizes.steps_per_call) for world, _, g in overlapped]
     for v in variants:
         try:
             info = ray.get(warm[v])
@@ -206,6 +215,8 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             notes.append(f"1 x {v.batch} {v.label()} failed: {type(error).__name__}: {str(error)[:2000]}")
             print(notes[-1], flush=True)
             learners.pop(v)
+    if warm_groups:  # the overlapped group shares GPU 0: let its warm-up end before timing one GPU
+        ray.wait(warm_groups, num_returns=len(warm_groups), timeout=600)
     for v, learner in learners.items():
         report(_measure(sizes, learner, replay, 1, v))
     for learner in learners.values():
@@ -215,7 +226,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             info = ray.get(ref)
             print(f"{world} x {v.batch} {v.label()}: warm at {time.perf_counter() - t0:.1f}s "
                   f"(compile {info['compile']})", flush=True)
-            report(_measure(sizes, group, replay, world, v))
+            report(_measure(sizes, group, shards[:world], world, v))
         except Exception as error:  # noqa: BLE001 - reported
             notes.append(f"{world} x {v.batch} failed: {type(error).__name__}: {str(error)[:2000]}")
             print(notes[-1], flush=True)
@@ -237,10 +248,10 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             group = None
             try:
                 group = _start(sizes, world, v, gpu)
-                info = ray.get(group.train.remote(replay, sizes.steps_per_call))
+                info = ray.get(group.train.remote(shards[:world], sizes.steps_per_call))
                 print(f"{world} x {b} {v.label()}: up and warm in {time.perf_counter() - t0:.1f}s "
                       f"(compile {info['compile']})", flush=True)
-                report(_measure(sizes, group, replay, world, v))
+                report(_measure(sizes, group, shards[:world], world, v))
             except Exception as error:  # noqa: BLE001 - reported, the other configurations go on
                 notes.append(f"{world} x {b} failed: {type(error).__name__}: {str(error)[:2000]}")
                 print(notes[-1], flush=True)
@@ -259,9 +270,42 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
                     "efficiency": row["loop_samples_per_second"] / (row["gpus"] * one["loop_samples_per_second"]),
                     "bare_speedup": row["bare_samples_per_second"] / one["bare_samples_per_second"],
                 })
-    ray.kill(replay)
+    for shard in shards:
+        ray.kill(shard)
     return {"rows": rows, "scaling": scaling, "replay": fill_info, "notes": notes,
             "seconds": time.perf_counter() - began}
+
+
+def reanalyse_rates(sizes: Sizes, gpu: bool, batches: tuple[int, ...] = (256, 1024), sims: int = 50,
+                    repeats: int = 3) -> list[dict[str, Any]]:
+    """Positions re-searched per second by one `ReanalyseWorker` (its `targets`: root inference plus one
+    batched MuZero search of `sims` simulations), on this process's GPU or CPU, net of `sizes`."""
+    import torch
+
+    from rayzero.learner.reanalyse import ReanalyseWorker
+    from rayzero.tree import SearchConfig
+
+    device = "cuda" if gpu else "cpu"
+    if not gpu:
+        batches, sims, repeats = (16,), 8, 2
+    worker = ReanalyseWorker(sizes.model, SearchConfig(num_simulations=sims), 0.997, sizes.obs_shape,
+                             sizes.num_actions, 0, 1, device)
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batches:
+        obs = rng.integers(0, 256, size=(batch, *sizes.obs_shape), dtype=np.uint8)
+        worker.targets(obs)  # warm-up
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            worker.targets(obs)  # returns host arrays: synchronised
+        seconds = (time.perf_counter() - start) / repeats
+        rows.append({"device": device, "batch": batch, "simulations": sims, "ms_per_call": 1e3 * seconds,
+                     "positions_per_second": batch / seconds})
+        print(f"reanalyse {device} batch {batch} x {sims} sims: {1e3 * seconds:.1f} ms/call, "
+              f"{batch / seconds:,.0f} positions/s", flush=True)
+    return rows
 
 
 def _row_text(row: dict[str, Any]) -> str:
@@ -305,6 +349,7 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
 
     try:
         results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap)
+        results["reanalyse"] = reanalyse_rates(sizes, gpu)
     finally:
         if started_here:
             ray.shutdown()

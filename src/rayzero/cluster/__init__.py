@@ -4,6 +4,7 @@
 `build(config, spec)` starts the roles with those options; `connect(cluster_cfg)` joins or starts Ray.
 """
 
-from rayzero.cluster.build import Handles, Plan, build, build_learner_group, connect, make_selfplay, plan
+from rayzero.cluster.build import (Handles, Plan, ReplayShards, build, build_learner_group, connect, make_selfplay,
+                                   plan)
 
-__all__ = ["Handles", "Plan", "build", "build_learner_group", "connect", "make_selfplay", "plan"]
+__all__ = ["Handles", "Plan", "ReplayShards", "build", "build_learner_group", "connect", "make_selfplay", "plan"]

@@ -16,6 +16,7 @@ from rayzero.envs import EnvSpec
 from rayzero.inference.server import InferenceServer
 from rayzero.learner.group import LearnerGroup
 from rayzero.learner.learner import Learner
+from rayzero.learner.reanalyse import ReanalyseWorker
 from rayzero.replay.buffer import ReplayBuffer
 
 
@@ -47,6 +48,7 @@ class Plan:
     inference: dict[str, Any] | None
     learner_device: str
     inference_device: str
+    reanalyse: dict[str, Any] | None = None  # None: reanalyse is off
 
 
 def plan(config: Config, available: dict[str, float]) -> Plan:
@@ -75,17 +77,83 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         inference=({"num_gpus": inference_gpus, "num_cpus": 1, "max_concurrency": 1000} if mode == "central" else None),
         learner_device="cuda" if learner_gpus > 0 else "cpu",
         inference_device="cuda" if inference_gpus > 0 else "cpu",
+        reanalyse=({"num_cpus": c.reanalyse_cpus, "num_gpus": c.reanalyse_gpus, "max_restarts": -1}
+                   if config.reanalyse.fraction > 0 else None),
     )
+
+
+class ReplayShards:
+    """The replay role: `n` ReplayBuffer actors of capacity/n transitions each, on the driver's node.
+
+    Self-play actors spread their segments over all shards (round-robin, starting at their own index), and
+    learner rank r samples shard r % n with its priorities going back there, so with one shard per rank no
+    actor serves every rank. One shard is the plain single replay actor.
+    """
+
+    def __init__(self, actors: list[Any]):
+        self.actors = list(actors)
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def for_learner(self) -> Any:
+        """What `learner.train` takes: the one actor, or the list that ranks index by rank."""
+        return self.actors[0] if len(self.actors) == 1 else list(self.actors)
+
+    def file_names(self) -> list[str]:
+        return ["replay.npz"] if len(self.actors) == 1 else [f"replay-{i}.npz" for i in range(len(self.actors))]
+
+    def snapshot(self, directory: os.PathLike | str) -> list[Any]:
+        """Refs of every shard writing its snapshot (atomically) into `directory`."""
+        return [a.snapshot.remote(os.path.join(directory, name)) for a, name in zip(self.actors, self.file_names())]
+
+    def restore(self, directory: os.PathLike | str) -> list[Any]:
+        missing = [name for name in self.file_names() if not os.path.exists(os.path.join(directory, name))]
+        if missing:
+            present = sorted(f for f in os.listdir(directory) if f.startswith("replay"))
+            raise ValueError(f"checkpoint {directory} lacks {', '.join(missing)} (it holds {present or 'no replay'});"
+                             f" resume with the replay.shards it was written with")
+        return [a.restore.remote(os.path.join(directory, name)) for a, name in zip(self.actors, self.file_names())]
+
+    def stats(self, timeout: float | None = None) -> dict[str, int]:
+        """The shards' counters, summed."""
+        parts = ray.get([a.stats.remote() for a in self.actors], timeout=timeout)
+        return {key: sum(part[key] for part in parts) for key in parts[0]}
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def num_replay_shards(config: Config) -> int:
+    return config.replay.shards or config.cluster.num_learners
+
+
+def shard_config(config: Config) -> Any:
+    """Each shard's ReplayConfig: capacity and min_size divided among the shards."""
+    n, ranks = num_replay_shards(config), config.cluster.num_learners
+    r = config.replay
+    if ranks % n:
+        raise ConfigError(f"replay.shards={n} must divide cluster.num_learners={ranks} (rank r samples shard r % "
+                          f"shards, so every shard is trained on); valid: 0 (one per rank) or a divisor of {ranks}")
+    if n == 1:
+        return r
+    if r.capacity // n < r.segment_length + r.unroll_steps + r.td_steps:
+        raise ConfigError(f"replay.capacity={r.capacity} split over {n} shards leaves {r.capacity // n} transitions "
+                          f"per shard, less than one segment ({r.segment_length + r.unroll_steps + r.td_steps}); "
+                          f"raise replay.capacity or lower replay.shards")
+    return dataclasses.replace(r, capacity=r.capacity // n, min_size=-(-r.min_size // n))
 
 
 @dataclasses.dataclass
 class Handles:
-    replay: Any
+    replay: ReplayShards
     learner: Any
     selfplay: list[Any]
     evaluator: Any
     inference: Any | None
     plan: Plan
+    reanalyse: list[Any] = dataclasses.field(default_factory=list)
 
 
 def build(config: Config, spec: EnvSpec) -> Handles:
@@ -95,7 +163,11 @@ def build(config: Config, spec: EnvSpec) -> Handles:
     # Replay lives on the driver's node: removing any other node loses no replay data, and its snapshots
     # land in the driver's run directory.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    replay = ray.remote(ReplayBuffer).options(**p.replay, scheduling_strategy=here).remote(config.replay, seed)
+    shard_cfg = shard_config(config)
+    replay = ReplayShards([
+        ray.remote(ReplayBuffer).options(**p.replay, scheduling_strategy=here).remote(shard_cfg, seed * 1000 + i)
+        for i in range(num_replay_shards(config))
+    ])
     learner = build_learner_group(config, spec, p)
     evaluator = ray.remote(EvalWorker).options(**p.evaluator).remote(
         config.env, config.model, config.search, config.replay.discount, c.torch_threads
@@ -115,7 +187,16 @@ def build(config: Config, spec: EnvSpec) -> Handles:
 
         request_resources(bundles=[{"CPU": c.selfplay_cpus}] * target)
     selfplay = [make_selfplay(config, p, replay, inference, i) for i in range(target)]
-    return Handles(replay, learner, selfplay, evaluator, inference, p)
+    reanalyse = []
+    if p.reanalyse is not None:
+        device = "cuda" if p.reanalyse["num_gpus"] > 0 else "cpu"
+        reanalyse = [
+            ray.remote(ReanalyseWorker).options(**p.reanalyse).remote(
+                config.model, config.search, config.replay.discount, spec.observation_shape, spec.num_actions,
+                seed * 1000 + 500 + i, c.torch_threads, device)
+            for i in range(c.num_reanalyse_workers)
+        ]
+    return Handles(replay, learner, selfplay, evaluator, inference, p, reanalyse)
 
 
 def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root: str | None = None) -> Any:
@@ -137,10 +218,10 @@ def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root:
     )
 
 
-def make_selfplay(config: Config, p: Plan, replay: Any, inference: Any, index: int) -> Any:
+def make_selfplay(config: Config, p: Plan, replay: ReplayShards, inference: Any, index: int) -> Any:
     return ray.remote(_RemoteSelfPlay).options(**p.selfplay).remote(
         config.env, config.model, config.search, config.replay, config.run.seed * 1000 + index + 1,
-        config.cluster.torch_threads, replay, inference, f"selfplay-{index}",
+        config.cluster.torch_threads, replay.actors, inference, f"selfplay-{index}", index,
         # On a GPU the inference actor runs whole searches as CUDA-graph replays: one call per env step.
         whole_search=p.inference_device == "cuda",
     )
@@ -149,8 +230,8 @@ def make_selfplay(config: Config, p: Plan, replay: Any, inference: Any, index: i
 class _RemoteSelfPlay(SelfPlayWorker):
     """A self-play worker whose segments go to the replay actor and whose evaluator may be the inference actor."""
 
-    def __init__(self, env_cfg, model_cfg, search_cfg, replay_cfg, seed, torch_threads, replay, inference, name,
-                 whole_search=False):
+    def __init__(self, env_cfg, model_cfg, search_cfg, replay_cfg, seed, torch_threads, shards, inference, name,
+                 index=0, whole_search=False):
         from rayzero.actors.evaluator import RemoteEvaluator
 
         evaluator = None
@@ -158,5 +239,12 @@ class _RemoteSelfPlay(SelfPlayWorker):
             # The pid makes a restarted actor a new client, so its predecessor's slots get reclaimed.
             evaluator = RemoteEvaluator(inference, replay_cfg.discount, f"{name}-{os.getpid()}",
                                         whole_search=whole_search)
-        super().__init__(env_cfg, model_cfg, search_cfg, replay_cfg, seed=seed, sink=replay.add.remote,
+        self._shards, self._next_shard = list(shards), index
+
+        def sink(segment: Any) -> Any:  # round-robin over the replay shards
+            shard = self._shards[self._next_shard % len(self._shards)]
+            self._next_shard += 1
+            return shard.add.remote(segment)
+
+        super().__init__(env_cfg, model_cfg, search_cfg, replay_cfg, seed=seed, sink=sink,
                          evaluator=evaluator, torch_threads=torch_threads)

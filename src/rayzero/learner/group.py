@@ -6,8 +6,8 @@ them in one torch.distributed process group: NCCL on GPUs, gloo on the CPU. All 
 whole group (CUDA_VISIBLE_DEVICES is widened to the group's GPUs before CUDA starts), so NCCL can use
 NVLink peer-to-peer between them; each rank uses its own.
 
-Every rank samples its own batch (learner.batch_size per rank) from the replay actor and updates those
-samples' priorities; DDP averages the gradients, so the ranks stay identical. Rank 0 answers `weights`,
+Every rank samples its own batch (learner.batch_size per rank) from its replay shard (rank r: shard r % n
+when `train` gets a list of shards) and updates those samples' priorities there; DDP averages the gradients, so the ranks stay identical. Rank 0 answers `weights`,
 `counters` and `save`; `load` and `set_weights` go to all ranks.
 
 If a rank dies (a `RayActorError` from any call), the group kills its ranks, releases the placement group,
@@ -257,8 +257,15 @@ class LearnerGroup:
         raise AssertionError("unreachable")
 
     def train(self, replay: Any, num_steps: int) -> dict[str, Any]:
-        """num_steps DDP updates, each rank on its own batches; rank 0's result (metrics averaged over ranks)."""
-        result = self._all("train", None, replay, num_steps)[0]
+        """num_steps DDP updates, each rank on its own batches; rank 0's result (metrics averaged over ranks).
+
+        replay: one replay actor that every rank samples, or a list of shards (rank r samples r % len).
+        """
+        shards = list(replay) if isinstance(replay, (list, tuple)) else [replay]
+        if not shards:
+            raise ValueError("train: an empty list of replay shards")
+        per_rank = [(shards[r % len(shards)], num_steps) for r in range(self.num_learners)]
+        result = self._all("train", per_rank)[0]
         result.update(restarts=self.restarts, num_learners=self.num_learners)
         return result
 

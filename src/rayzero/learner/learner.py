@@ -301,6 +301,10 @@ class Learner:
         """
         import ray
 
+        if isinstance(replay, (list, tuple)):
+            if len(replay) != 1:
+                raise ValueError(f"train: a single learner samples one replay actor, got a list of {len(replay)}")
+            replay = replay[0]
         start, samples_before = time.perf_counter(), self.samples
         if self._outbox is None:
             self._outbox = PriorityOutbox(self.device)
@@ -315,7 +319,8 @@ class Learner:
                 if prefetcher is not None:
                     prefetcher.close()
                 prefetcher = self._prefetcher = Prefetcher(
-                    replay, self.cfg.batch_size, self.device, self.cfg.prefetch, self.cfg.gather_threads
+                    replay, self.cfg.batch_size, self.device, self.cfg.prefetch, self.cfg.gather_threads,
+                    self.cfg.obs_cache,
                 )
             for _ in range(num_steps):
                 item = prefetcher.get()
@@ -323,7 +328,11 @@ class Learner:
                 self._outbox.put(replay, item.indices, item.generations, priorities)
         result = self._result(num_steps, start, samples_before)
         self._outbox.flush()
-        result["obs_path"] = "shared" if self._prefetcher is not None and not self._prefetcher.with_obs else "ray"
+        prefetcher = self._prefetcher
+        result["obs_path"] = "shared" if prefetcher is not None and not prefetcher.with_obs else "ray"
+        if prefetcher is not None and prefetcher.staging.cache is not None:
+            result["obs_path"] = "device_cache"
+            result["obs_cache_uploaded"] = prefetcher.staging.cache.uploaded
         return result
 
     def train_on(self, batches: list[Batch]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ host-to-device copies on a side CUDA stream (on the CPU it only wraps the arrays
 observations in shared memory (`replay.shared_obs`) and this process is on the replay's node, the batch
 comes without observations and `ObsStore` gathers them straight from /dev/shm into the pinned buffers with a
 few threads (numpy releases the GIL), then drops samples whose positions were rewritten meanwhile (their
-loss weight becomes 0).
+loss weight becomes 0). On a GPU with room for it, `DeviceObsCache` keeps a copy of those observations in
+device memory, so only positions written since they were last sampled cross the host.
 
 `Prefetcher` runs this in a background thread, `depth` batches ahead of the update, with `depth` sample
 calls in flight to the replay actor. `PriorityOutbox` copies each step's priorities to pinned memory without
@@ -86,10 +87,91 @@ class ObsStore:
             self.pool.shutdown(wait=False)
 
 
-class Staging:
-    """Batches -> device tensors through a ring of pinned buffers and a side stream (CUDA), or in place (CPU)."""
+class DeviceObsCache:
+    """A copy of the replay's shared observations in device memory, filled as positions are sampled.
 
-    def __init__(self, device: torch.device, store: ObsStore | None = None, slots: int = 3):
+    Each cached position remembers the replay generation it was copied at; a batch's positions whose generation
+    moved on (new data) are gathered from /dev/shm into pinned memory, copied up and scattered into the cache,
+    and every observation field of the batch is then one gather on the device. In steady state only positions
+    written since they were last sampled cross the host, instead of every observation of every batch.
+
+    A position is only committed for samples whose segment was intact from sampling until after its gather (the
+    same check as the host path), so the cache never holds a half-written observation under a valid generation.
+    """
+
+    def __init__(self, store: ObsStore, device: torch.device):
+        self.store = store
+        self.device = device
+        capacity = store.obs.shape[0]
+        self.obs = torch.zeros((capacity, *store.obs.shape[1:]), dtype=torch.from_numpy(np.empty(0, store.obs.dtype)).dtype,
+                               device=device)
+        self.held = np.full(capacity, -1, dtype=np.int64)  # generation of each cached copy; -1: none
+        self.uploaded = 0  # positions copied up so far
+
+    @staticmethod
+    def fits(store: ObsStore, device: torch.device, fraction: float = 0.5) -> bool:
+        """Whether a cache of the whole replay takes at most `fraction` of the device's free memory."""
+        if device.type != "cuda":
+            return True
+        free, _ = torch.cuda.mem_get_info(device)
+        return store.obs.nbytes <= fraction * free
+
+    def prepare(self, batch: Batch, positions: dict[str, np.ndarray], slot: dict[str, torch.Tensor] | None
+                ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """Host side: gathers the positions the cache lacks into `slot`'s pinned buffer (or a plain array).
+
+        Returns the samples whose segment changed since sampling (their loss weight must be 0), and the
+        (positions, generations, observations) to commit, or None."""
+        everything = np.concatenate([p.reshape(-1) for p in positions.values()])
+        unique = np.unique(everything)
+        current = self.store.generation[unique]  # read before the gather (see the class docstring)
+        lacking = self.held[unique] != current
+        miss, miss_generation = unique[lacking], current[lacking]
+        host = None
+        if len(miss):
+            shape = (len(miss), *self.store.obs.shape[1:])
+            if slot is not None:
+                buffer = slot.get("_cache_miss")
+                if buffer is None or buffer.shape[0] < len(miss):
+                    buffer = torch.from_numpy(np.empty((max(len(miss), 2 * len(everything)), *shape[1:]),
+                                                       dtype=self.store.obs.dtype)).pin_memory()
+                    slot["_cache_miss"] = buffer
+                host = buffer.numpy()[: len(miss)]
+            else:
+                host = np.empty(shape, dtype=self.store.obs.dtype)
+            self.store.gather(miss, host)
+        changed = self.store.generation[batch.indices] != batch.generations
+        if not len(miss):
+            return changed, None
+        if changed.any():  # positions of rewritten segments are not committed
+            bad = np.unique(np.concatenate([p[changed].reshape(-1) for p in positions.values()]))
+            keep = ~np.isin(miss, bad)
+            miss, miss_generation, host = miss[keep], miss_generation[keep], host[keep]
+        return changed, (miss, miss_generation, host)
+
+    def commit(self, update: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
+        """Device side (on the current stream): copy the gathered observations up and into the cache."""
+        if update is None or not len(update[0]):
+            return
+        miss, generation, host = update
+        index = torch.from_numpy(miss).to(self.device, non_blocking=True)
+        self.obs.index_copy_(0, index, torch.from_numpy(host).to(self.device, non_blocking=True))
+        self.held[miss] = generation
+        self.uploaded += len(miss)
+
+    def lookup(self, index: np.ndarray) -> torch.Tensor:
+        """[*index.shape, *obs_shape] observations from the cache (on the current stream)."""
+        flat = torch.from_numpy(np.array(index, dtype=np.int64).reshape(-1)).to(self.device, non_blocking=True)
+        return self.obs.index_select(0, flat).reshape(*index.shape, *self.obs.shape[1:])
+
+
+class Staging:
+    """Batches -> device tensors through a ring of pinned buffers and a side stream (CUDA), or in place (CPU).
+
+    With `obs_cache` (and a mapped store) observations come from a `DeviceObsCache` instead of being gathered
+    for every batch."""
+
+    def __init__(self, device: torch.device, store: ObsStore | None = None, slots: int = 3, obs_cache: bool = False):
         self.device = device
         self.store = store
         self.cuda = device.type == "cuda"
@@ -97,10 +179,21 @@ class Staging:
         self.slots: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
         self.slot_events: list[Any] = [None] * slots
         self.next_slot = 0
+        self.cache = DeviceObsCache(store, device) if obs_cache and store is not None else None
 
-    def _host_arrays(self, batch: Batch, slot: dict[str, torch.Tensor] | None) -> tuple[dict[str, np.ndarray], int]:
+    def _cached_positions(self, batch: Batch) -> dict[str, np.ndarray]:
+        """The observation fields to take from the cache: {field: positions}."""
+        if self.cache is None:
+            return {}
+        return {name: np.asarray(getattr(batch, index_name)) for name, index_name in OBS_FIELDS.items()
+                if getattr(batch, name) is None and getattr(batch, index_name) is not None}
+
+    def _host_arrays(self, batch: Batch, slot: dict[str, torch.Tensor] | None, skip: tuple[str, ...] = ()
+                     ) -> tuple[dict[str, np.ndarray], int]:
         arrays: dict[str, np.ndarray] = {}
         for name in DEVICE_FIELDS:
+            if name in skip:
+                continue
             value = getattr(batch, name)
             index_name = OBS_FIELDS.get(name)
             from_store = value is None and index_name is not None and getattr(batch, index_name) is not None
@@ -128,7 +221,7 @@ class Staging:
                 np.copyto(target, value)  # one copy out of Ray's read-only object store
             arrays[name] = target
         stale = 0
-        if self.store is not None and batch.obs is None:
+        if self.store is not None and batch.obs is None and not skip:
             # A writer bumps a segment's generations before touching its observations: checked after the gather,
             # an unchanged generation means every observation gathered belongs to the sampled segment.
             changed = self.store.generation[batch.indices] != batch.generations
@@ -138,17 +231,33 @@ class Staging:
         return arrays, stale
 
     def upload(self, batch: Batch) -> Uploaded:
+        cached = self._cached_positions(batch)
+        slot = None
+        if self.cuda:
+            i = self.next_slot
+            self.next_slot = (i + 1) % len(self.slots)
+            if self.slot_events[i] is not None:
+                self.slot_events[i].synchronize()  # the previous copy out of this slot is done
+            slot = self.slots[i]
+        arrays, stale = self._host_arrays(batch, slot, skip=tuple(cached))
+        update = None
+        if cached:
+            assert self.cache is not None
+            changed, update = self.cache.prepare(batch, cached, slot)
+            stale = int(changed.sum())
+            if stale:
+                arrays["weights"][changed] = 0.0
         if not self.cuda:
-            arrays, stale = self._host_arrays(batch, None)
             tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+            if cached:
+                self.cache.commit(update)
+                tensors.update({name: self.cache.lookup(index) for name, index in cached.items()})
             return Uploaded(tensors, batch.indices, batch.generations, stale, None)
-        i = self.next_slot
-        self.next_slot = (i + 1) % len(self.slots)
-        if self.slot_events[i] is not None:
-            self.slot_events[i].synchronize()  # the previous copy out of this slot is done
-        arrays, stale = self._host_arrays(batch, self.slots[i])
         with torch.cuda.stream(self.stream):
-            tensors = {k: self.slots[i][k].to(self.device, non_blocking=True) for k in arrays}
+            tensors = {k: slot[k].to(self.device, non_blocking=True) for k in arrays}
+            if cached:
+                self.cache.commit(update)
+                tensors.update({name: self.cache.lookup(index) for name, index in cached.items()})
             event = torch.cuda.Event()
             event.record(self.stream)
         self.slot_events[i] = event
@@ -162,13 +271,16 @@ class Staging:
 class Prefetcher:
     """A thread keeping `depth` uploaded batches ready (and `depth` sample calls in flight) for one replay."""
 
-    def __init__(self, replay: Any, batch_size: int, device: torch.device, depth: int, gather_threads: int):
+    def __init__(self, replay: Any, batch_size: int, device: torch.device, depth: int, gather_threads: int,
+                 obs_cache: bool | None = None):
         import ray
 
         self.replay = replay
         store = ObsStore.open(ray.get(replay.obs_store.remote()), gather_threads)
         self.with_obs = store is None
-        self.staging = Staging(device, store, slots=depth + 2)
+        if obs_cache is None:  # default: on CUDA, when the whole replay fits in half the free memory
+            obs_cache = store is not None and device.type == "cuda" and DeviceObsCache.fits(store, device)
+        self.staging = Staging(device, store, slots=depth + 2, obs_cache=bool(obs_cache))
         self.batch_size = batch_size
         self.depth = depth
         self.device = device

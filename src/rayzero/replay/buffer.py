@@ -79,6 +79,7 @@ class ReplayBuffer:
         self.num_sampleable = 0
         self.total_added = 0  # transitions ever added
         self.segments_added = 0
+        self.reanalysed = 0  # positions whose targets reanalyse replaced
         self.max_priority = 1.0
         self.tree = SumTree(cfg.capacity)  # leaf i = priority_i**alpha if position i is sampleable, else 0
         self.shared_paths: dict[str, str] | None = None  # obs and generation arrays live in /dev/shm
@@ -305,12 +306,49 @@ class ReplayBuffer:
         if fresh.any():
             self.max_priority = max(self.max_priority, float(priorities[fresh].max()))
 
+    # -- reanalyse ------------------------------------------------------------------------------------
+
+    def sample_positions(self, count: int) -> dict[str, np.ndarray] | None:
+        """`count` stored positions drawn uniformly (with replacement) for reanalyse: their indices,
+        generations and observations; None while replay is empty."""
+        a = self._arrays
+        if count < 1:
+            raise ValueError(f"replay.sample_positions: count={count} must be >= 1")
+        if a is None or self.size == 0:
+            return None
+        alive = np.flatnonzero(a["alive"])
+        index = alive[self.rng.integers(0, len(alive), size=count)]
+        return {"indices": index, "generations": a["generation"][index].copy(), "obs": a["obs"][index]}
+
+    def update_targets(self, indices: np.ndarray, generations: np.ndarray, policies: np.ndarray,
+                       root_values: np.ndarray) -> int:
+        """Replace the policy targets and search values of positions (reanalyse); positions overwritten since
+        they were drawn are skipped. Returns how many were updated."""
+        a = self._arrays
+        if a is None:
+            return 0
+        indices = np.asarray(indices, dtype=np.int64)
+        policies = np.asarray(policies, dtype=np.float32)
+        root_values = np.asarray(root_values, dtype=np.float32)
+        if policies.shape != (len(indices), a["policy"].shape[1]) or root_values.shape != (len(indices),):
+            raise ValueError(f"replay.update_targets: policies {policies.shape} / root_values {root_values.shape} "
+                             f"do not match {len(indices)} indices and {a['policy'].shape[1]} actions")
+        if not (np.all(np.isfinite(policies)) and np.all(np.isfinite(root_values))):
+            raise ValueError("replay.update_targets: policies and root_values must be finite")
+        fresh = (a["generation"][indices] == generations) & a["alive"][indices]
+        a["policy"][indices[fresh]] = policies[fresh]
+        a["root_value"][indices[fresh]] = root_values[fresh]
+        updated = int(fresh.sum())
+        self.reanalysed += updated
+        return updated
+
     def stats(self) -> dict:
         return {
             "size": self.size,
             "sampleable": self.num_sampleable,
             "total_added": self.total_added,
             "segments_added": self.segments_added,
+            "reanalysed": self.reanalysed,
         }
 
     def __len__(self) -> int:

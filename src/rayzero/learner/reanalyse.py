@@ -1,0 +1,68 @@
+"""Reanalyse (MuZero Reanalyze): fresh policy targets and search values for stored positions.
+
+A `ReanalyseWorker` (made a Ray actor in cluster/, one or more of them) takes a batch of positions from a replay
+shard, runs one batched search over them with the latest published weights (on its GPU when it has one), and
+writes the visit distributions and root values back over the stored ones. Later batches that include those
+positions then train on targets of the current network rather than of the one that played them: the policy
+targets directly, the value targets through the n-step bootstrap (the stored search value n steps ahead;
+with a target network, learner.target_update_interval > 0, the bootstrap comes from the learner instead and
+reanalyse refreshes the policy targets).
+
+The driver keeps `reanalyse.fraction` positions re-searched per sample trained on (see train.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.config import ModelConfig
+from rayzero.models import build_model
+from rayzero.tree import SearchConfig, search
+
+
+class ReanalyseWorker:
+    def __init__(self, model_cfg: ModelConfig, search_cfg: SearchConfig, discount: float,
+                 obs_shape: tuple[int, ...], num_actions: int, seed: int = 0, torch_threads: int = 1,
+                 device: str = "cpu"):
+        torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        self.search_cfg = search_cfg
+        self.evaluator = LocalEvaluator(build_model(model_cfg, obs_shape, num_actions).to(self.device), discount)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = -1
+        self.positions = 0
+
+    def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
+        self.evaluator.set_weights(state_dict)
+        self.version = version
+        return version
+
+    def targets(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(policies [B, A], root values [B]) of one batched search from observations [B, ...]."""
+        root = self.evaluator.root(obs)
+        out = search(root, self.evaluator.recurrent_fn, self.search_cfg.num_simulations, self.search_cfg,
+                     generator=self.generator)
+        self.evaluator.release()
+        return out.action_weights.float().cpu().numpy(), out.root_value.float().cpu().numpy()
+
+    def reanalyse(self, replay: Any, weights: tuple[int, dict] | None, count: int) -> dict[str, Any]:
+        """Re-search `count` positions of the replay actor `replay` and write their targets back."""
+        import ray
+
+        start = time.perf_counter()
+        if weights is not None and weights[0] != self.version:
+            self.set_weights(*weights)
+        job = ray.get(replay.sample_positions.remote(count))
+        if job is None:
+            return {"positions": 0, "updated": 0, "version": self.version, "seconds": time.perf_counter() - start}
+        policies, values = self.targets(job["obs"])
+        updated = ray.get(replay.update_targets.remote(job["indices"], job["generations"], policies, values))
+        self.positions += len(job["indices"])
+        return {"positions": len(job["indices"]), "updated": updated, "version": self.version,
+                "seconds": time.perf_counter() - start}
