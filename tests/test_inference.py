@@ -52,6 +52,33 @@ def test_concurrent_requests_are_batched_and_match_direct_calls():
     assert sum(b["rows"] for b in stats.values()) == 22
 
 
+def test_value_prefix_model_served_through_latent_handles():
+    """A value-prefix model's packed latents live in the pool like any latent: two served steps give the
+    rewards (prefix differences) and values of direct calls."""
+    prefix_model = dataclasses.replace(MODEL, value_prefix=True, lstm_hidden=6, value_prefix_horizon=5)
+    srv = InferenceServer(prefix_model, InferenceConfig(device="cpu", max_batch=16, min_bucket=4), (4,), 3, seed=0)
+    state = {k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v
+             for k, v in srv.model.state_dict().items()}  # non-zero heads, so rewards are not all 0
+    srv.set_weights(1, state)
+    obs = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
+    actions = [np.array([0, 1, 2, 1, 0]), np.array([2, 2, 1, 0, 1])]
+
+    async def go():
+        root = await srv.initial("p", obs)
+        first = await srv.recurrent("p", root["handles"], actions[0])
+        second = await srv.recurrent("p", first["handles"], actions[1])
+        return first, second
+
+    served = asyncio.run(go())
+    with torch.no_grad():
+        out = srv.model.initial(torch.from_numpy(obs))
+        for step, a in zip(served, actions):
+            out = srv.model.recurrent(out.latent, torch.from_numpy(a))
+            np.testing.assert_allclose(step["reward"], out.reward.numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(step["value"], out.value.numpy(), rtol=1e-5, atol=1e-5)
+    assert np.abs(served[1]["reward"]).max() > 0
+
+
 def test_bad_requests_fail_alone():
     srv = server()
     good_obs = np.zeros((2, 4), dtype=np.float32)

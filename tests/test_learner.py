@@ -7,6 +7,7 @@ import torch
 from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
 from rayzero.learner import CheckpointError, Learner
 from rayzero.learner import checkpoint as ckpt
+from rayzero.models.support import support_to_scalar
 from rayzero.replay import ReplayBuffer, Segment
 
 MODEL = ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=10)
@@ -39,6 +40,48 @@ def test_loss_falls_on_a_fixed_batch():
     assert metrics["loss"] < 0.6 * first["loss"]
     assert priorities.shape == (32,) and np.all(priorities > 0)
     assert learner.steps == 151 and learner.samples == 151 * 32
+
+
+def test_value_prefix_model_learns_and_search_reads_prefix_differences():
+    """The value-prefix loss learns a fixed batch; in search a step's reward is its prefix minus the parent's,
+    and the prefix restarts at the horizon."""
+    from rayzero.learner.loss import value_prefix_targets
+    from rayzero.models import build_model
+
+    rewards = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]])
+    torch.testing.assert_close(value_prefix_targets(rewards, 2), torch.tensor([[0.0, 1.0, 3.0, 3.0, 7.0]]))
+
+    cfg = ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=10, value_prefix=True, lstm_hidden=8,
+                      value_prefix_horizon=2)
+    learner = Learner(cfg, LEARNER, (4,), 2, seed=0)
+    batch = filled_replay().sample(32)
+    first, _ = learner.step(batch)
+    for _ in range(150):
+        metrics, _ = learner.step(batch)
+    assert metrics["loss"] < 0.6 * first["loss"] and metrics["reward_loss"] < 0.6 * first["reward_loss"]
+
+    model = build_model(cfg, (4,), 2)
+    model.load_state_dict(learner.model.state_dict())
+    obs, actions = torch.randn(3, 4), torch.tensor([[0, 1, 1], [1, 1, 0], [0, 0, 1]])
+    with torch.no_grad():
+        out = model.initial(obs)
+        assert out.latent.shape == (3, 16 + 2 * 8 + 2)
+        rewards = []
+        for k in range(3):
+            out = model.recurrent(out.latent, actions[:, k])
+            rewards.append(out.reward)
+        # The same unroll through the training path: prefixes p1, p2, then (restart) p3.
+        latent, state, prefixes = model.represent(obs), model.prefix_state(3, obs.device), []
+        for k in range(3):
+            latent = model.transition(latent, actions[:, k])
+            logits, state = model.prefix_step(latent, state)
+            prefixes.append(support_to_scalar(logits, cfg.support_size))
+            if (k + 1) % 2 == 0:
+                state = model.prefix_state(3, obs.device)
+    torch.testing.assert_close(rewards[0], prefixes[0])
+    torch.testing.assert_close(rewards[1], prefixes[1] - prefixes[0])
+    torch.testing.assert_close(rewards[2], prefixes[2])
+    assert not torch.allclose(prefixes[0], torch.zeros(3))  # the test is not vacuous
 
 
 def test_checkpoint_restores_counters_optimizer_and_continuation(tmp_path):
@@ -206,8 +249,10 @@ def test_device_obs_cache_serves_sampled_positions_and_refreshes_rewritten_ones(
 
 
 def test_options_resume_exactly(tmp_path):
-    """Target network, consistency heads and NHWC: resuming from a checkpoint continues bit for bit."""
-    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    """Target network, consistency heads, value prefix and NHWC: resuming from a checkpoint continues bit for
+    bit."""
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8,
+                        value_prefix=True, lstm_hidden=8)
     learner_cfg = LearnerConfig(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cpu", target_update_interval=2,
                                 consistency_weight=1.0, consistency_dim=16, channels_last=True)
     replay = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=2, td_steps=2, min_size=0, bootstrap_obs=True,

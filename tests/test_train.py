@@ -52,9 +52,9 @@ def test_resume_continues_counters_and_replay(tmp_path):
 
 def test_two_learner_ranks_with_replay_shards_and_reanalyse_resume(tmp_path):
     """cluster.num_learners=2 on the CPU (gloo DDP): one replay shard per rank, both checkpointed and restored;
-    a reanalyse worker refreshes targets in both shards."""
+    a reanalyse worker refreshes targets in both shards; the model predicts value prefixes."""
     two = ["cluster.num_learners=2", "cluster.learner_cpus=0", "reanalyse.fraction=0.25", "cluster.reanalyse_cpus=0",
-           *SMALL]
+           "model.value_prefix=true", *SMALL]
     rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "run.max_env_steps=1500", *two)
     first = json.loads((tmp_path / "summary.json").read_text())
     assert first["learner_steps"] > 0 and first["replay_size"] > 0 and first["reanalysed_this_run"] > 0

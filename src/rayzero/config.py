@@ -97,9 +97,21 @@ class ModelConfig:
     """ResNet: hidden width of the fully connected heads."""
     support_size: int = 300
     """Value and reward are categorical over [-support_size, support_size] after the h-transform (601 bins)."""
+    value_prefix: bool = False
+    """EfficientZero's value prefix (mlp and resnet): an LSTM over the unrolled states predicts the sum of the
+    rewards since the root (restarting every value_prefix_horizon steps) instead of each step's reward; the
+    search reads a step's reward as the difference of consecutive prefixes."""
+    lstm_hidden: int = 64
+    """Hidden size of the value-prefix LSTM."""
+    value_prefix_horizon: int = 5
+    """Steps after which the prefix and the LSTM state restart from zero."""
 
     def __post_init__(self) -> None:
         _check("model", self, [
+            ("lstm_hidden", self.lstm_hidden >= 1, ">= 1"),
+            ("value_prefix_horizon", self.value_prefix_horizon >= 1, ">= 1"),
+            ("value_prefix", not (self.value_prefix and self.kind == "transformer"),
+             "false with model.kind='transformer' (value prefix is built for 'mlp' and 'resnet')"),
             ("kind", self.kind in ("auto", "mlp", "resnet", "transformer"), "'auto', 'mlp', 'resnet' or 'transformer'"),
             ("latent_dim", self.latent_dim >= 1, ">= 1"),
             ("hidden", self.hidden >= 1, ">= 1"),

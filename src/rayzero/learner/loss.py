@@ -4,6 +4,9 @@ Policy: cross-entropy against the search policy. Value and reward: cross-entropy
 the h-transformed support. The gradient entering each dynamics step is halved (MuZero's scale 0.5), and the
 losses of the K unrolled steps are scaled by 1/K so that deeper unrolls do not dominate.
 
+Value prefix (optional, EfficientZero, `model.value_prefix`): the reward term fits, at each unrolled step, the
+LSTM's value-prefix prediction to the sum of the rewards since the root (restarting every horizon steps).
+
 Consistency (optional, EfficientZero): the latent after k dynamics steps goes through a projection and a
 prediction head; the representation of the real observation at t+k goes through the same projection under
 stop-gradient; the loss is their negative cosine similarity (SimSiam), masked past the segment's end.
@@ -105,8 +108,18 @@ class MuZeroLoss(nn.Module):
                 targets = self.consistency.project(target_latent).float()
                 targets = targets.view(next_obs.shape[0], num_unroll, -1)
 
+        if model.value_prefix:
+            state = model.prefix_state(actions.shape[0], actions.device, latent.dtype)
+            reward_targets = scalar_to_support(value_prefix_targets(
+                batch["target_rewards"] * reward_mask, model.prefix_horizon), support)
         for k in range(1, num_unroll + 1):
-            latent, reward_logits = model.dynamics(scale_gradient(latent, 0.5), actions[:, k - 1])
+            if model.value_prefix:
+                latent = model.transition(scale_gradient(latent, 0.5), actions[:, k - 1])
+                reward_logits, state = model.prefix_step(latent, state)
+                if k % model.prefix_horizon == 0:
+                    state = model.prefix_state(actions.shape[0], actions.device, latent.dtype)
+            else:
+                latent, reward_logits = model.dynamics(scale_gradient(latent, 0.5), actions[:, k - 1])
             policy_logits, value_logits = model.predict(latent)
             policy_loss = policy_loss + step_scale * _cross_entropy(
                 policy_logits, batch["target_policies"][:, k]
@@ -126,6 +139,19 @@ class MuZeroLoss(nn.Module):
         loss = (batch["weights"] * per_sample).mean()
         stats = torch.stack([policy_loss.mean(), value_loss.mean(), reward_loss.mean(), consistency_loss.mean()])
         return loss, stats.detach(), priorities
+
+
+def value_prefix_targets(rewards: torch.Tensor, horizon: int) -> torch.Tensor:
+    """[B, K+1] rewards (index k: the reward of unroll step k; index 0 unused) -> value-prefix targets: the
+    sum of the rewards since the last restart, restarting after every `horizon` steps."""
+    prefixes = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for k in range(1, rewards.shape[1]):
+        running = running + rewards[:, k]
+        prefixes[:, k] = running
+        if k % horizon == 0:
+            running = torch.zeros_like(running)
+    return prefixes
 
 
 def _layout(obs: torch.Tensor, channels_last: bool) -> torch.Tensor:

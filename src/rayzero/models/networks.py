@@ -5,6 +5,13 @@ stacked image frames (a third, `TransformerNet`, lives in transformer.py). All r
 `recurrent` also return scalars decoded from the categorical supports, which is what search needs. Latent
 states are min-max scaled to [0, 1] per sample, as in MuZero, so the dynamics see inputs of a fixed range.
 
+Value prefix (EfficientZero, `model.value_prefix`): instead of a reward head after each dynamics step, an
+LSTM reads each unrolled state and a head predicts the value prefix, the sum of the rewards since the root
+(the LSTM state and the prefix restart every `value_prefix_horizon` steps). Training (`prefix_step`) fits
+the prefixes directly. For search the latent that `initial`/`recurrent` hand out is packed, flat:
+[latent, LSTM h, LSTM c, parent prefix, depth], so a step's reward is its prefix minus the parent's inside
+`recurrent`, and trees, inference pools and graphs keep treating latents as opaque tensors.
+
 Mixed precision: with `heads_fp32 = True` (the inference actor sets it) the value, reward and policy heads run
 in float32 with autocast disabled, so under a bf16 autocast only the trunk is bf16. Without autocast, or with
 `heads_fp32 = False` (the default, what the learner uses), `_head` is a plain call: fp32 outputs are unchanged.
@@ -53,7 +60,14 @@ class MuZeroNet(nn.Module):
                 return head(x.float())
         return head(x)
 
+    value_prefix: bool = False
+    latent_shape: tuple[int, ...]
+
     def represent(self, obs: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def transition(self, latent: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """The next latent state (the dynamics without its reward head)."""
         raise NotImplementedError
 
     def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +76,58 @@ class MuZeroNet(nn.Module):
     def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def prefix_features(self, latent: torch.Tensor) -> torch.Tensor:
+        """[B, F] what the value-prefix LSTM reads from a state."""
+        raise NotImplementedError
+
+    # -- value prefix ------------------------------------------------------------------------------------
+
+    def _init_value_prefix(self, cfg: ModelConfig, features: int) -> None:
+        self.value_prefix = True
+        self.lstm_hidden = cfg.lstm_hidden
+        self.prefix_horizon = cfg.value_prefix_horizon
+        self.prefix_lstm = nn.LSTMCell(features, cfg.lstm_hidden)
+        self.prefix_head = nn.Sequential(nn.LayerNorm(cfg.lstm_hidden), nn.ReLU(),
+                                         nn.Linear(cfg.lstm_hidden, 2 * cfg.support_size + 1))
+        nn.init.zeros_(self.prefix_head[-1].weight)
+        nn.init.zeros_(self.prefix_head[-1].bias)
+
+    def prefix_state(self, batch: int, device: torch.device, dtype: torch.dtype = torch.float32
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The zero LSTM state (h, c) [B, lstm_hidden] of a root or of a restart."""
+        zeros = torch.zeros(batch, self.lstm_hidden, device=device, dtype=dtype)
+        return zeros, zeros.clone()
+
+    def prefix_step(self, latent: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One LSTM step on an unrolled state: (value-prefix logits [B, bins], new (h, c))."""
+        features = self.prefix_features(latent)
+        if self.heads_fp32 and torch.is_autocast_enabled(features.device.type):
+            with torch.autocast(features.device.type, enabled=False):
+                h, c = self.prefix_lstm(features.float(), (state[0].float(), state[1].float()))
+                return self.prefix_head(h), (h, c)
+        h, c = self.prefix_lstm(features, state)
+        return self.prefix_head(h), (h, c)
+
+    def pack(self, latent: torch.Tensor, h: torch.Tensor, c: torch.Tensor, prefix: torch.Tensor,
+             depth: torch.Tensor) -> torch.Tensor:
+        """The flat search latent [B, latent + 2 lstm_hidden + 2] of a value-prefix model."""
+        dtype = latent.dtype
+        return torch.cat([latent.flatten(1), h.to(dtype), c.to(dtype), prefix.to(dtype).unsqueeze(1),
+                          depth.to(dtype).unsqueeze(1)], dim=1)
+
+    def unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(latent [B, *latent_shape], h, c, parent prefix [B] fp32, depth [B] fp32) of a packed latent."""
+        size = 1
+        for d in self.latent_shape:
+            size *= d
+        L = self.lstm_hidden
+        latent = packed[:, :size].reshape(packed.shape[0], *self.latent_shape)
+        h, c = packed[:, size:size + L], packed[:, size + L:size + 2 * L]
+        return latent, h, c, packed[:, -2].float(), packed[:, -1].float()
+
+    # -- what search sees ----------------------------------------------------------------------------------
+
     def initial(self, obs: torch.Tensor) -> NetworkOutput:
         """obs [B, *obs_shape] -> NetworkOutput with reward 0."""
         latent = self.represent(obs)
@@ -69,6 +135,10 @@ class MuZeroNet(nn.Module):
         batch = obs.shape[0]
         reward_logits = torch.zeros(batch, 2 * self.support_size + 1, device=obs.device)
         reward_logits[:, self.support_size] = 1e4  # a point mass on 0
+        if self.value_prefix:
+            h, c = self.prefix_state(batch, obs.device, latent.dtype)
+            zero = torch.zeros(batch, device=obs.device)
+            latent = self.pack(latent, h, c, zero, zero)
         return NetworkOutput(
             latent,
             support_to_scalar(value_logits, self.support_size),
@@ -80,6 +150,8 @@ class MuZeroNet(nn.Module):
 
     def recurrent(self, latent: torch.Tensor, action: torch.Tensor) -> NetworkOutput:
         """latent [B, ...], action [B] int64 -> NetworkOutput of the next state."""
+        if self.value_prefix:
+            return self._recurrent_prefix(latent, action)
         next_latent, reward_logits = self.dynamics(latent, action)
         policy_logits, value_logits = self.predict(next_latent)
         return NetworkOutput(
@@ -89,6 +161,28 @@ class MuZeroNet(nn.Module):
             policy_logits.float(),
             value_logits.float(),
             reward_logits.float(),
+        )
+
+
+    def _recurrent_prefix(self, packed: torch.Tensor, action: torch.Tensor) -> NetworkOutput:
+        latent, h, c, parent_prefix, depth = self.unpack(packed)
+        next_latent = self.transition(latent, action)
+        prefix_logits, (h, c) = self.prefix_step(next_latent, (h, c))
+        prefix = support_to_scalar(prefix_logits, self.support_size)
+        reward = prefix - parent_prefix
+        depth = depth + 1
+        # At the horizon the children start a new prefix from zero, with a fresh LSTM state.
+        restart = (torch.remainder(depth, self.prefix_horizon) == 0).unsqueeze(1)
+        h, c = torch.where(restart, 0.0, h), torch.where(restart, 0.0, c)
+        prefix = torch.where(restart.squeeze(1), 0.0, prefix)
+        policy_logits, value_logits = self.predict(next_latent)
+        return NetworkOutput(
+            self.pack(next_latent, h, c, prefix, depth),
+            support_to_scalar(value_logits, self.support_size),
+            reward,
+            policy_logits.float(),
+            value_logits.float(),
+            prefix_logits.float(),
         )
 
 
@@ -111,23 +205,35 @@ class MLPNet(MuZeroNet):
         bins = 2 * cfg.support_size + 1
         self.support_size = cfg.support_size
         self.num_actions = num_actions
+        self.latent_shape = (cfg.latent_dim,)
         self.representation = _mlp([obs_dim, cfg.hidden, cfg.latent_dim])
         self.dynamics_trunk = _mlp([cfg.latent_dim + num_actions, cfg.hidden, cfg.latent_dim])
-        self.reward_head = _mlp([cfg.latent_dim, cfg.hidden, bins])
         self.value_head = _mlp([cfg.latent_dim, cfg.hidden, bins])
         self.policy_head = _mlp([cfg.latent_dim, cfg.hidden, num_actions])
+        heads = [self.value_head, self.policy_head]
+        if cfg.value_prefix:
+            self._init_value_prefix(cfg, cfg.latent_dim)
+        else:
+            self.reward_head = _mlp([cfg.latent_dim, cfg.hidden, bins])
+            heads.append(self.reward_head)
         # Heads start at zero output so early values/rewards decode to 0 and priors are uniform.
-        for head in (self.reward_head, self.value_head, self.policy_head):
+        for head in heads:
             nn.init.zeros_(head[-1].weight)
             nn.init.zeros_(head[-1].bias)
 
     def represent(self, obs: torch.Tensor) -> torch.Tensor:
         return scale_latent(self.representation(obs.flatten(1).float()))
 
-    def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def transition(self, latent: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         one_hot = F.one_hot(action.long(), self.num_actions).to(latent.dtype)
-        next_latent = scale_latent(self.dynamics_trunk(torch.cat([latent, one_hot], dim=1)))
+        return scale_latent(self.dynamics_trunk(torch.cat([latent, one_hot], dim=1)))
+
+    def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        next_latent = self.transition(latent, action)
         return next_latent, self._head(self.reward_head, next_latent)
+
+    def prefix_features(self, latent: torch.Tensor) -> torch.Tensor:
+        return latent
 
     def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._head(self.policy_head, latent), self._head(self.value_head, latent)
@@ -177,13 +283,18 @@ class ResNet(MuZeroNet):
         self.dyn_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
         flat = cfg.reduced_channels * latent_h * latent_w
         self.reward_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
-        self.reward_fc = _mlp([flat, cfg.head_hidden, bins])
         self.pred_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
         self.value_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
         self.value_fc = _mlp([flat, cfg.head_hidden, bins])
         self.policy_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
         self.policy_fc = _mlp([flat, cfg.head_hidden, num_actions])
-        for head in (self.reward_fc, self.value_fc, self.policy_fc):
+        heads = [self.value_fc, self.policy_fc]
+        if cfg.value_prefix:  # the LSTM reads the reward conv's features, as in EfficientZero
+            self._init_value_prefix(cfg, flat)
+        else:
+            self.reward_fc = _mlp([flat, cfg.head_hidden, bins])
+            heads.append(self.reward_fc)
+        for head in heads:
             nn.init.zeros_(head[-1].weight)
             nn.init.zeros_(head[-1].bias)
 
@@ -191,13 +302,18 @@ class ResNet(MuZeroNet):
         x = obs.float() / 255.0
         return scale_latent(self.repr_blocks(self.down(x)))
 
-    def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def transition(self, latent: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         batch, _, height, width = latent.shape
         plane = (action.to(latent.dtype) / self.num_actions).view(batch, 1, 1, 1).expand(batch, 1, height, width)
         x = F.relu(self.dyn_conv(torch.cat([latent, plane], dim=1)) + latent)
-        next_latent = scale_latent(self.dyn_blocks(x))
-        reward_logits = self._head(self._reward_head, next_latent)
-        return next_latent, reward_logits
+        return scale_latent(self.dyn_blocks(x))
+
+    def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        next_latent = self.transition(latent, action)
+        return next_latent, self._head(self._reward_head, next_latent)
+
+    def prefix_features(self, latent: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.reward_conv(latent)).flatten(1)
 
     def _reward_head(self, x: torch.Tensor) -> torch.Tensor:
         return self.reward_fc(F.relu(self.reward_conv(x)).flatten(1))
