@@ -164,11 +164,14 @@ def reference_search(
             N = node.visits
             coef = math.sqrt(N) * (cfg.pb_c_init + math.log((N + cfg.pb_c_base + 1) / cfg.pb_c_base))
             scores = []
+            spread = lo_hi[1] - lo_hi[0]
+            # Unvisited children: the parent's normalised value, clipped to [0, 1].
+            first_play = min(max((node.value() - lo_hi[0]) / spread, 0.0), 1.0) if spread > 0 else 0.0
             for a in range(A):
                 child = node.children.get(a)
-                qn = 0.0
-                if child is not None and lo_hi[1] > lo_hi[0]:
-                    qn = (child.q() - lo_hi[0]) / (lo_hi[1] - lo_hi[0])
+                qn = first_play
+                if child is not None:
+                    qn = (child.q() - lo_hi[0]) / spread if spread > 0 else 0.0
                 visits = child.visits if child is not None else 0
                 s = qn + node.prior[a] * coef / (1 + visits)
                 scores.append(-math.inf if at_root and invalid[a] else s)
@@ -214,12 +217,14 @@ def reference_search(
 
 
 def test_bandit_exact_visits_by_hand():
-    """Uniform priors, rewards [0.1, 0.9, 0.5], discount 0 (PUCT worked by hand, c1 = 1.25):
-    sim 1 ties -> a0; sim 2: a1 (a0's prior term is halved; no spread yet so Q_norm = 0); sims 3-7: a1
-    (Q_norm 1); sim 8: a2, since coef(8)/3 * 1/7 + 1 = 1.1684 < coef(8)/3 = 1.1789."""
+    """Uniform priors, rewards [0.1, 0.9, 0.5], discount 0 (PUCT worked by hand, c1 = 1.25; an unvisited
+    child scores the root's normalised value): sim 1 ties -> a0; sim 2: a1 (a0's prior term is halved; no
+    spread yet so every Q_norm is 0); sim 3: a1, 1 + coef(3)/3 / 2 = 1.361 > a2's (0.333 - 0.1) / 0.8 +
+    coef(3)/3 = 1.013; sim 4: a2, (0.475 - 0.1) / 0.8 + coef(4)/3 = 1.302 > a1's 1 + coef(4)/3 / 3 = 1.278;
+    sims 5-8: a1 (Q_norm 1 against a2's 0.5 and a0's 0)."""
     fn = bandit_fn([0.1, 0.9, 0.5], 3)
     root = RootOutput(torch.zeros(1, 3), torch.zeros(1), torch.zeros(1, 1))
-    expected = {1: [1, 0, 0], 2: [1, 1, 0], 3: [1, 2, 0], 7: [1, 6, 0], 8: [1, 6, 1]}
+    expected = {1: [1, 0, 0], 2: [1, 1, 0], 3: [1, 2, 0], 4: [1, 2, 1], 8: [1, 6, 1]}
     for n, visits in expected.items():
         out = search(root, fn, n, SearchConfig(**NO_NOISE))
         assert out.visit_counts[0].tolist() == visits, n

@@ -202,6 +202,7 @@ class Driver:
         reanalyse_cfg = config.reanalyse
         reanalysing: set[int] = set()
         reanalyse_calls = 0
+        shards_filled = len(handles.replay) == 1
         next_eval = time.perf_counter() + run.eval_interval
         next_log = time.perf_counter() + run.log_interval
         next_checkpoint = (self.learner_steps // learner_cfg.checkpoint_interval + 1) * learner_cfg.checkpoint_interval
@@ -225,6 +226,8 @@ class Driver:
             # segment buffer cannot be trained on yet).
             target = learner_cfg.replay_ratio * self.replay_transitions
             learner_ready = self.replay_transitions >= max(1, replay_cfg.min_size)
+            if learner_ready and not shards_filled:  # every rank's shard must hold something to sample
+                shards_filled = learner_ready = handles.replay.all_sampleable()
             # Schedule self-play while the learner keeps up (always, until replay can feed the learner).
             temperature = temperature_at(run.temperature_schedule, self.learner_steps)
             for i, actor in list(self.actors.items()):

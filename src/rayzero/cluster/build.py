@@ -120,9 +120,9 @@ class ReplayShards:
         parts = ray.get([a.stats.remote() for a in self.actors], timeout=timeout)
         return {key: sum(part[key] for part in parts) for key in parts[0]}
 
-    def kill(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
+    def all_sampleable(self) -> bool:
+        """Whether every shard holds positions to sample."""
+        return all(part["sampleable"] > 0 for part in ray.get([a.stats.remote() for a in self.actors]))
 
 
 def num_replay_shards(config: Config) -> int:

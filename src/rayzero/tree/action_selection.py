@@ -5,7 +5,7 @@ Shapes: one node per tree, B rows; A = actions; `e` is a node's packed edge stat
 identically on CPU and CUDA) is the action to take. This module owns the scoring rules:
 
 * MuZero PUCT: Q_norm + prior * sqrt(N) * (c1 + log((N + c2 + 1) / c2)) / (1 + N(a)), N = the node's
-  visits (its expansion counts as one). sqrt(N) * (c1 + log(...)) comes from a per-search table indexed
+  visits (its expansion counts as one); an unvisited child's Q_norm is the parent's normalised value. sqrt(N) * (c1 + log(...)) comes from a per-search table indexed
   by N, so the torch path and the Triton kernel use the very same float32 coefficients.
 * Gumbel MuZero interior: argmax of pi'(a) - N(a) / (1 + sum_b N(b)), pi' = softmax(logits + sigma(completed Q)).
 * Gumbel MuZero root: among the actions whose visit count equals the sequential-halving schedule's next
@@ -48,6 +48,12 @@ def puct_coefficients(
     return table
 
 
+def first_play_q(node_value: torch.Tensor, low: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """[B, 1] the normalised Q an unvisited child is scored at: its parent's value (node_value [B]),
+    normalised like the children's Q and clipped to [0, 1]."""
+    return ((node_value.unsqueeze(-1) - low) / spread).clamp(0.0, 1.0)
+
+
 def muzero_scores(
     e: torch.Tensor,
     node_visits: torch.Tensor,
@@ -55,20 +61,29 @@ def muzero_scores(
     spread: torch.Tensor,
     coef: torch.Tensor,
     virtual_visits: torch.Tensor | None = None,
+    node_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, A] PUCT scores of one node per tree: e [B, C, A], node_visits [B], the tree's normalisation
-    bounds low/spread [B, 1] (qtransforms.minmax_bounds), coef table (puct_coefficients).
+    bounds low/spread [B, 1] (qtransforms.minmax_bounds), coef table (puct_coefficients), node_value [B] the
+    node's mean value (value sum / visits).
 
+    Unvisited children are scored at the parent's value (`first_play_q`; 0 when node_value is None), not at
+    the tree's minimum: with the minimum, once one child returns anything above it, a child the prior
+    disfavours is never tried, and the visit counts just echo the prior.
     With `virtual_visits` [B, A] (pending visits of this wave, virtual loss) each pending visit counts as a
     visit that returned the worst value seen (normalised Q 0), for the child and for the node.
     """
     prior, visits = e[:, PRIOR], e[:, VISITS]
     qn = minmax_normalized_q(child_q(e[:, REWARD], e[:, DISCOUNT], e[:, VALUE]), visits, low, spread)
+    unvisited_q = first_play_q(node_value, low, spread) if node_value is not None else 0.0
     if virtual_visits is not None:
         eff_visits = visits + virtual_visits
-        qn = torch.where(eff_visits > 0, qn * visits / eff_visits.clamp_min(1.0), 0.0)
+        qn = torch.where(visits > 0, qn * visits / eff_visits.clamp_min(1.0),
+                         torch.where(virtual_visits > 0, 0.0, unvisited_q))
         node_visits = node_visits + virtual_visits.sum(-1)
         visits = eff_visits
+    else:
+        qn = torch.where(visits > 0, qn, unvisited_q)
     c = coef[node_visits.long()].unsqueeze(-1)
     return qn + prior * c / (1.0 + visits)
 

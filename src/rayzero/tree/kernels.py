@@ -70,9 +70,10 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
         return tl.load(edges_ptr + row * (C * A) + CH * A + offs, mask=amask, other=0.0)
 
     @triton.jit
-    def _puct(prior, cvis, q, coef, low, spread):
+    def _puct(prior, cvis, q, coef, low, spread, node_value):
         """MuZero PUCT, as action_selection.muzero_scores (same operations, same order)."""
-        qn = tl.where(cvis > 0, tl.div_rn(q - low, spread), 0.0)
+        first_play = tl.minimum(tl.maximum(tl.div_rn(node_value - low, spread), 0.0), 1.0)
+        qn = tl.where(cvis > 0, tl.div_rn(q - low, spread), first_play)
         return qn + tl.div_rn(prior * coef, 1.0 + cvis)
 
     @triton.jit
@@ -95,6 +96,7 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
     def _select_kernel(
         edges_ptr,
         visits_ptr,
+        sums_ptr,
         raw_ptr,
         children_ptr,
         coef_ptr,
@@ -153,8 +155,9 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
             considered = tl.load(considered_ptr + b * considered_stride)
             score = tl.where(cvis == considered, score, float("-inf"))
         else:
-            coef = tl.load(coef_ptr + tl.load(visits_ptr + row).to(tl.int32))
-            score = _puct(prior, cvis, q, coef, low, spread)
+            node_visits = tl.load(visits_ptr + row)
+            coef = tl.load(coef_ptr + node_visits.to(tl.int32))
+            score = _puct(prior, cvis, q, coef, low, spread, tl.div_rn(tl.load(sums_ptr + row), node_visits))
         if HAS_INVALID:
             invalid = tl.load(invalid_ptr + b * A + offs, mask=amask, other=1)
             score = tl.where(invalid != 0, float("-inf"), score)
@@ -186,8 +189,9 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
                 improved = tl.div_rn(ex, tl.sum(ex, 0))
                 score = improved - tl.div_rn(cvis, 1.0 + sum_vis)
             else:
-                coef = tl.load(coef_ptr + tl.load(visits_ptr + row).to(tl.int32))
-                score = _puct(prior, cvis, q, coef, low, spread)
+                node_visits = tl.load(visits_ptr + row)
+                coef = tl.load(coef_ptr + node_visits.to(tl.int32))
+                score = _puct(prior, cvis, q, coef, low, spread, tl.div_rn(tl.load(sums_ptr + row), node_visits))
             score = tl.where(amask, score, float("-inf"))
             a = tl.argmax(score, 0, tie_break_left=True).to(tl.int64)
             tl.store(path_nodes_ptr + b * L + depth, node)
@@ -332,6 +336,7 @@ def select(tree: Tree, ctx: _Context, sim: int) -> KernelPath:
     _select_kernel[(B,)](
         tree.edges,
         tree.node_visits,
+        tree.value_sums,
         tree.raw_values,
         tree.children_index,
         ctx.coef,

@@ -20,7 +20,7 @@ Choices the callers should know:
 * The root starts with one visit and its network value, so root_value = (v + sum of backed-up returns) /
   (1 + num_simulations).
 * MuZero's Q normalisation is per tree over all Q values seen in it (qtransforms.py); unvisited children
-  get normalised Q 0.
+  are scored at their parent's normalised value (clipped to [0, 1]).
 * Gumbel MuZero ignores `temperature`: the played action is the sequential-halving winner, and
   action_weights is the improved policy softmax(logits + sigma(completed Q)).
 * Virtual loss (K > 1) is implemented for the MuZero policy only: each wave runs K selection walks per
@@ -358,7 +358,8 @@ def _root_action(tree: Tree, ctx: _Context, sim: int) -> torch.Tensor:
         )
     else:
         vv = tree.virtual_visits[:, ROOT] if tree.virtual_visits is not None else None
-        score = muzero_scores(e, tree.node_visits[:, ROOT], ctx.low, ctx.spread, ctx.coef, vv)
+        visits = tree.node_visits[:, ROOT]
+        score = muzero_scores(e, visits, ctx.low, ctx.spread, ctx.coef, vv, tree.value_sums[:, ROOT] / visits)
         score = mask_root(score, ctx.invalid)
     return score.argmax(dim=-1)
 
@@ -376,7 +377,9 @@ def _interior_action(tree: Tree, ctx: _Context, flat: torch.Tensor) -> torch.Ten
         )
     else:
         vv = ctx.vv_flat.index_select(0, flat) if ctx.vv_flat is not None else None
-        score = muzero_scores(e, ctx.visits_flat.index_select(0, flat), ctx.low, ctx.spread, ctx.coef, vv)
+        visits = ctx.visits_flat.index_select(0, flat)
+        value = ctx.sums_flat.index_select(0, flat) / visits
+        score = muzero_scores(e, visits, ctx.low, ctx.spread, ctx.coef, vv, value)
     return score.argmax(dim=-1)
 
 
