@@ -37,7 +37,7 @@ def test_adding_and_removing_a_node(tmp_path):
         env = dict(os.environ, RAY_ADDRESS=cluster.address, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
             [sys.executable, "-m", "rayzero", "train", "--config", "cartpole", "--out", str(run_dir),
-             "--time-limit", "150", "cluster.num_selfplay_actors=1", "cluster.max_selfplay_actors=2",
+             "--time-limit", "400", "cluster.num_selfplay_actors=1", "cluster.max_selfplay_actors=2",
              "cluster.selfplay_cpus=1", "cluster.learner_cpus=1", "run.log_interval=1", "run.stop_return=0",
              "run.eval_interval=1000", "run.eval_episodes=2", "run.eval_max_steps=100", "env.num_envs=4",
              "replay.min_size=300"],

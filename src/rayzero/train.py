@@ -316,9 +316,11 @@ class Driver:
             if time.perf_counter() >= next_log:
                 self._log_progress(log, env_steps_at_start, learner_steps_at_start, handles)
                 next_log = time.perf_counter() + run.log_interval
-        # Let in-flight work end cleanly, so the learner and replay are consistent for the checkpoint.
-        if pending:
-            ray.wait(list(pending), num_returns=len(pending), timeout=120)
+        # Let in-flight work end cleanly, so the learner and replay are consistent for the checkpoint. A collect
+        # of an actor that never started (pending until a node with room joins) would never end: not waited for.
+        waited = [ref for ref, (kind, i) in pending.items() if kind != "collect" or i in self.active]
+        if waited:
+            ray.wait(waited, num_returns=len(waited), timeout=120)
             for ref, (kind, _) in pending.items():
                 try:
                     result = ray.get(ref, timeout=0)
