@@ -248,6 +248,31 @@ def test_device_obs_cache_serves_sampled_positions_and_refreshes_rewritten_ones(
         check(fresh, staging.upload(fresh))
 
 
+def test_frame_storage_through_the_shared_store_and_the_device_cache():
+    """replay.frame_stack: the learner's gather from /dev/shm and the device cache restack the frames into the
+    same observations the replay gives with observations attached."""
+    from test_replay import stacked_segments
+
+    from rayzero.learner.prefetch import ObsStore, Staging
+
+    cfg = ReplayConfig(capacity=80, unroll_steps=2, td_steps=2, min_size=0, shared_obs=True, next_obs=True,
+                       bootstrap_obs=True, frame_stack=4)
+    buffer = ReplayBuffer(cfg, seed=0)
+    for s in stacked_segments(np.random.default_rng(1)):
+        buffer.add(s)
+    for obs_cache in (False, True):
+        store = ObsStore.open(buffer.obs_store(), threads=2)
+        assert store.obs.shape[1:] == (3, 5, 5) and store.obs_shape == (12, 5, 5)
+        staging = Staging(torch.device("cpu"), store, obs_cache=obs_cache)
+        for _ in range(3):
+            batch = buffer.sample(32, with_obs=False)
+            item = staging.upload(batch)
+            for name, index in (("obs", batch.indices), ("next_obs", batch.next_index),
+                                ("bootstrap_obs", batch.bootstrap_index)):
+                np.testing.assert_array_equal(item.tensors[name].numpy(), buffer.obs_at(index),
+                                              err_msg=f"{name} cache={obs_cache}")
+
+
 def test_options_resume_exactly(tmp_path):
     """Target network, consistency heads, value prefix and NHWC: resuming from a checkpoint continues bit for
     bit."""

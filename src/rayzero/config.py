@@ -152,6 +152,10 @@ class ReplayConfig:
     bootstrap_obs: bool = False
     """Batches carry the observations n = td_steps ahead and leave the stored search value out of the value
     target, so the learner bootstraps with its target network (needed by learner.target_update_interval > 0)."""
+    frame_stack: int = 0
+    """Image observations that stack this many frames (env.frame_stack) are stored as single frames, plus the
+    older frames of each segment's first observation, and restacked when sampled: about frame_stack times
+    less memory (0 or 1 = store observations whole). Each segment then takes frame_stack - 1 extra slots."""
     shards: int = 0
     """Replay actors (0 = one per learner rank). Each holds capacity/shards transitions; self-play actor i writes
     to shard i % shards and learner rank r samples shard r % shards, so no single actor serves every rank."""
@@ -160,6 +164,7 @@ class ReplayConfig:
         _check("replay", self, [
             ("capacity", self.capacity >= 1, ">= 1"),
             ("shards", self.shards >= 0, ">= 0 (0 = one per learner rank)"),
+            ("frame_stack", self.frame_stack >= 0, ">= 0 (0 or 1 = observations stored whole)"),
             ("unroll_steps", self.unroll_steps >= 1, ">= 1"),
             ("td_steps", self.td_steps >= 1, ">= 1"),
             ("discount", 0.0 < self.discount <= 1.0, "in (0, 1]"),

@@ -125,6 +125,15 @@ class ReplayShards:
         return all(part["sampleable"] > 0 for part in ray.get([a.stats.remote() for a in self.actors]))
 
 
+def check_frame_stack(config: Config, spec: EnvSpec) -> None:
+    """replay.frame_stack > 1 stores single frames: only right for image observations of that many frames."""
+    k = config.replay.frame_stack
+    if k > 1 and (len(spec.observation_shape) != 3 or k != config.env.frame_stack):
+        raise ConfigError(f"replay.frame_stack={k} needs image observations stacking {k} frames; {config.env.id} "
+                          f"gives observations of shape {spec.observation_shape} with env.frame_stack="
+                          f"{config.env.frame_stack}: set replay.frame_stack to 0 or to env.frame_stack")
+
+
 def num_replay_shards(config: Config) -> int:
     return config.replay.shards or config.cluster.num_learners
 
@@ -160,6 +169,7 @@ def build(config: Config, spec: EnvSpec) -> Handles:
     """Starts replay, learner, evaluator, the inference actor (central mode) and the self-play actors."""
     p = plan(config, ray.cluster_resources())
     c, seed = config.cluster, config.run.seed
+    check_frame_stack(config, spec)
     # Replay lives on the driver's node: removing any other node loses no replay data, and its snapshots
     # land in the driver's run directory.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

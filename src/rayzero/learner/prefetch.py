@@ -54,8 +54,11 @@ class ObsStore:
     """The replay's shared observation and generation arrays, mapped read-only."""
 
     def __init__(self, info: dict, threads: int):
-        self.obs = shared.open_readonly(info["obs"])
+        self.obs = shared.open_readonly(info["obs"])  # observations, or single frames (replay.frame_stack)
         self.generation = shared.open_readonly(info["generation"])
+        self.stack = int(info.get("frame_stack") or 1)
+        self.obs_shape = tuple(info.get("obs_shape") or self.obs.shape[1:])  # of one (stacked) observation
+        self.offsets = np.arange(-(self.stack - 1), 1)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="rayzero-gather") if threads > 1 else None
         self.threads = threads
 
@@ -69,8 +72,18 @@ class ObsStore:
         except (OSError, ValueError):
             return None
 
+    def slots(self, index: np.ndarray) -> np.ndarray:
+        """The slots of the shared array that hold the observations at positions `index`: the positions
+        themselves, or in frame mode [*index.shape, stack] (the frames ending at each position)."""
+        return index if self.stack == 1 else index[..., None] + self.offsets
+
     def gather(self, index: np.ndarray, out: np.ndarray) -> None:
-        """index [N] positions -> out [N, *obs_shape] (a pinned buffer), in `threads` chunks."""
+        """index [N] positions -> out [N, *obs_shape] (a pinned buffer), in `threads` chunks; in frame mode the
+        frames of each observation land next to each other, which is the stacked layout."""
+        self.gather_slots(self.slots(index.reshape(-1)), out)
+
+    def gather_slots(self, index: np.ndarray, out: np.ndarray) -> None:
+        """Slots [...] of the shared array -> out (their contents, back to back)."""
         index = index.reshape(-1)
         out = out.reshape((len(index),) + self.obs.shape[1:])
         if self.pool is None or len(index) < 2 * self.threads:
@@ -121,7 +134,8 @@ class DeviceObsCache:
         """Host side: gathers the positions the cache lacks into `slot`'s pinned buffer (or a plain array).
 
         Returns the samples whose segment changed since sampling (their loss weight must be 0), and the
-        (positions, generations, observations) to commit, or None."""
+        (slots, generations, observations or frames) to commit, or None."""
+        positions = {name: self.store.slots(p) for name, p in positions.items()}  # frame mode: frame slots
         everything = np.concatenate([p.reshape(-1) for p in positions.values()])
         unique = np.unique(everything)
         current = self.store.generation[unique]  # read before the gather (see the class docstring)
@@ -129,7 +143,7 @@ class DeviceObsCache:
         miss, miss_generation = unique[lacking], current[lacking]
         host = None
         if len(miss):
-            shape = (len(miss), *self.store.obs.shape[1:])
+            shape = (len(miss), *self.store.obs.shape[1:])  # one slot each (an observation or a frame)
             if slot is not None:
                 buffer = slot.get("_cache_miss")
                 if buffer is None or buffer.shape[0] < len(miss):
@@ -139,7 +153,7 @@ class DeviceObsCache:
                 host = buffer.numpy()[: len(miss)]
             else:
                 host = np.empty(shape, dtype=self.store.obs.dtype)
-            self.store.gather(miss, host)
+            self.store.gather_slots(miss, host)
         changed = self.store.generation[batch.indices] != batch.generations
         if not len(miss):
             return changed, None
@@ -161,8 +175,9 @@ class DeviceObsCache:
 
     def lookup(self, index: np.ndarray) -> torch.Tensor:
         """[*index.shape, *obs_shape] observations from the cache (on the current stream)."""
-        flat = torch.from_numpy(np.array(index, dtype=np.int64).reshape(-1)).to(self.device, non_blocking=True)
-        return self.obs.index_select(0, flat).reshape(*index.shape, *self.obs.shape[1:])
+        slots = self.store.slots(np.array(index, dtype=np.int64))
+        flat = torch.from_numpy(slots.reshape(-1)).to(self.device, non_blocking=True)
+        return self.obs.index_select(0, flat).reshape(*index.shape, *self.store.obs_shape)
 
 
 class Staging:
@@ -203,7 +218,7 @@ class Staging:
                 if self.store is None:
                     raise ValueError(f"learner: the batch has no {name} and no shared observation store is mapped")
                 index = getattr(batch, index_name)
-                shape, dtype = index.shape + self.store.obs.shape[1:], self.store.obs.dtype
+                shape, dtype = index.shape + self.store.obs_shape, self.store.obs.dtype
             else:
                 value = np.asarray(value)
                 shape, dtype = value.shape, value.dtype

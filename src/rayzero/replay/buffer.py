@@ -9,6 +9,11 @@ few vectorised numpy operations.
 A segment cut in the middle of an episode carries a tail of `unroll_steps + td_steps` extra steps whose
 positions are not sampled as starts: they exist only to complete the targets of the positions before them.
 
+With `replay.frame_stack = k > 1` (stacked image frames, newest last along channels) the "obs" array holds
+single frames: a segment of n steps takes k - 1 + n slots, the k - 1 older frames of its first observation
+followed by each step's newest frame, and the observation at a position is the k frames ending there
+(`frames.stack_at`). Blocks are written and evicted whole, history slots included ("held").
+
 Sampling draws from a sum tree of priority**alpha (`replay/sumtree.py`), O(B log capacity) per batch. With
 `replay.shared_obs`, observations and write generations live in /dev/shm (`replay/shared.py`): a learner on
 the same node asks `sample(B, with_obs=False)` and gathers the observations itself, and checks afterwards
@@ -83,13 +88,20 @@ class ReplayBuffer:
         self.max_priority = 1.0
         self.tree = SumTree(cfg.capacity)  # leaf i = priority_i**alpha if position i is sampleable, else 0
         self.shared_paths: dict[str, str] | None = None  # obs and generation arrays live in /dev/shm
+        self.stack = cfg.frame_stack if cfg.frame_stack > 1 else 1  # frames per observation
+        self.history = self.stack - 1  # slots before a segment's first step (its first obs's older frames)
+        self.obs_shape: tuple[int, ...] | None = None  # of one (stacked) observation
 
     # -- storage -------------------------------------------------------------------------------------
 
     def _allocate(self, segment: Segment) -> None:
         cap = self.capacity
+        self.obs_shape = tuple(segment.obs.shape[1:])
+        if self.stack > 1 and (len(self.obs_shape) != 3 or self.obs_shape[0] % self.stack):
+            raise ValueError(f"replay.frame_stack={self.stack} needs image observations [frame_stack * C, H, W]; "
+                             f"got observations of shape {self.obs_shape}")
         self._arrays = {
-            "obs": np.zeros((cap, *segment.obs.shape[1:]), dtype=segment.obs.dtype),
+            "obs": np.zeros((cap, *self._slot_shape()), dtype=segment.obs.dtype),
             "action": np.zeros(cap, dtype=np.int64),
             "reward": np.zeros(cap, dtype=np.float32),
             "policy": np.zeros((cap, segment.policies.shape[1]), dtype=np.float32),
@@ -99,6 +111,7 @@ class ReplayBuffer:
             "seg_terminal": np.zeros(cap, dtype=bool),
             "seg_bootstrap": np.zeros(cap, dtype=np.float32),
             "alive": np.zeros(cap, dtype=bool),
+            "held": np.zeros(cap, dtype=bool),  # part of a stored block (a step or a history frame)
             "sampleable": np.zeros(cap, dtype=bool),
             "priority": np.zeros(cap, dtype=np.float64),
             "generation": np.zeros(cap, dtype=np.int64),
@@ -120,12 +133,28 @@ class ReplayBuffer:
                 array[...] = a[name]
         a.update(arrays)
 
+    def _slot_shape(self) -> tuple[int, ...]:
+        """What one slot of the "obs" array holds: an observation, or one frame of it."""
+        assert self.obs_shape is not None
+        if self.stack == 1:
+            return self.obs_shape
+        return (self.obs_shape[0] // self.stack, *self.obs_shape[1:])
+
+    def obs_at(self, positions: np.ndarray) -> np.ndarray:
+        """[*positions.shape, *obs_shape] the observations at data positions (restacked in frame mode)."""
+        obs = self._arrays["obs"]
+        if self.stack == 1:
+            return obs[positions]
+        frames = positions[..., None] + np.arange(-self.history, 1)
+        return obs[frames].reshape(*positions.shape, *self.obs_shape)
+
     def _check(self, segment: Segment) -> None:
         length = len(segment.actions)
         if length == 0:
             raise ValueError("replay.add: empty segment")
-        if length > self.capacity:
-            raise ValueError(f"replay.add: segment of {length} steps exceeds replay.capacity={self.capacity}")
+        if length + self.history > self.capacity:
+            raise ValueError(f"replay.add: segment of {length} steps (+{self.history} history frames) exceeds "
+                             f"replay.capacity={self.capacity}")
         for name in ("obs", "rewards", "policies", "root_values"):
             if len(getattr(segment, name)) != length:
                 raise ValueError(
@@ -135,23 +164,25 @@ class ReplayBuffer:
             raise ValueError(f"replay.add: num_sampleable={segment.num_sampleable} must be in [1, {length}]")
         if self._arrays is not None:
             a = self._arrays
-            if segment.obs.shape[1:] != a["obs"].shape[1:] or segment.policies.shape[1] != a["policy"].shape[1]:
+            if segment.obs.shape[1:] != self.obs_shape or segment.policies.shape[1] != a["policy"].shape[1]:
                 raise ValueError(
                     f"replay.add: segment obs {segment.obs.shape[1:]} / actions {segment.policies.shape[1]} "
-                    f"do not match the buffer's {a['obs'].shape[1:]} / {a['policy'].shape[1]}"
+                    f"do not match the buffer's {self.obs_shape} / {a['policy'].shape[1]}"
                 )
 
     def _evict(self, start: int, stop: int) -> None:
         a = self._arrays
-        starts = np.unique(a["seg_start"][start:stop][a["alive"][start:stop]])
+        starts = np.unique(a["seg_start"][start:stop][a["held"][start:stop]])
         for s in starts:
             end = s + a["seg_len"][s]
+            first = s - self.history  # the block starts with its history frames
             self.size -= int(a["alive"][s:end].sum())
             self.num_sampleable -= int(a["sampleable"][s:end].sum())
             a["alive"][s:end] = False
+            a["held"][first:end] = False
             a["sampleable"][s:end] = False
             a["priority"][s:end] = 0.0
-            a["generation"][s:end] += 1  # readers of any position of an evicted segment see it changed
+            a["generation"][first:end] += 1  # readers of any position of an evicted segment see it changed
             self.tree.set_range(s, end, 0.0)
 
     def add(self, segment: Segment) -> int:
@@ -161,12 +192,22 @@ class ReplayBuffer:
             self._allocate(segment)
         a = self._arrays
         length = len(segment.actions)
-        if self.cursor + length > self.capacity:
+        if self.cursor + self.history + length > self.capacity:
             self.cursor = 0
-        start, stop = self.cursor, self.cursor + length
-        self._evict(start, stop)
-        a["generation"][start:stop] += 1  # before the data: a reader that checks afterwards sees the write
-        a["obs"][start:stop] = segment.obs
+        block = self.cursor
+        self._evict(block, block + self.history + length)
+        start, stop = block + self.history, block + self.history + length  # the steps
+        a["generation"][block:stop] += 1  # before the data: a reader that checks afterwards sees the write
+        if self.stack == 1:
+            a["obs"][start:stop] = segment.obs
+        else:
+            channels = self.obs_shape[0] // self.stack
+            a["obs"][block:start] = segment.obs[0, :-channels].reshape(self.history, channels,
+                                                                       *self.obs_shape[1:])
+            a["obs"][start:stop] = segment.obs[:, -channels:]
+            a["seg_start"][block:start] = start  # history slots belong to the block (eviction finds them)
+            a["seg_len"][block:start] = length
+            a["held"][block:start] = True
         a["action"][start:stop] = segment.actions
         a["reward"][start:stop] = segment.rewards
         a["policy"][start:stop] = segment.policies
@@ -176,6 +217,7 @@ class ReplayBuffer:
         a["seg_terminal"][start:stop] = segment.terminal
         a["seg_bootstrap"][start:stop] = segment.bootstrap_value
         a["alive"][start:stop] = True
+        a["held"][start:stop] = True
         a["sampleable"][start:stop] = False
         a["sampleable"][start : start + segment.num_sampleable] = True
         a["priority"][start:stop] = 0.0
@@ -214,7 +256,7 @@ class ReplayBuffer:
         """Where learners find the shared observation and generation arrays (None when they are private)."""
         if self.shared_paths is None:
             return None
-        return {**self.shared_paths, "node": node_id()}
+        return {**self.shared_paths, "node": node_id(), "frame_stack": self.stack, "obs_shape": self.obs_shape}
 
     def _targets(self, index: np.ndarray, is_weights: np.ndarray, with_obs: bool = True) -> Batch:
         a, cfg = self._arrays, self.cfg
@@ -271,15 +313,15 @@ class ReplayBuffer:
             next_pos = pos[:, 1:]
             extra["next_index"] = seg_start[:, None] + np.minimum(next_pos, seg_len[:, None] - 1)
             extra["next_mask"] = (next_pos < seg_len[:, None]).astype(np.float32)
-            extra["next_obs"] = a["obs"][extra["next_index"]] if with_obs else None
+            extra["next_obs"] = self.obs_at(extra["next_index"]) if with_obs else None
         if cfg.bootstrap_obs:
             extra["bootstrap_index"] = seg_start[:, None] + np.minimum(boot_pos, seg_len[:, None] - 1)
             extra["bootstrap_scale"] = np.where(boot_inside, gamma**n, 0.0).astype(np.float32)
-            extra["bootstrap_obs"] = a["obs"][extra["bootstrap_index"]] if with_obs else None
+            extra["bootstrap_obs"] = self.obs_at(extra["bootstrap_index"]) if with_obs else None
         return Batch(
             indices=index.astype(np.int64),
             generations=a["generation"][index].copy(),
-            obs=a["obs"][index] if with_obs else None,
+            obs=self.obs_at(index) if with_obs else None,
             actions=actions.astype(np.int64),
             target_values=values,
             target_rewards=target_rewards,
@@ -318,7 +360,7 @@ class ReplayBuffer:
             return None
         alive = np.flatnonzero(a["alive"])
         index = alive[self.rng.integers(0, len(alive), size=count)]
-        return {"indices": index, "generations": a["generation"][index].copy(), "obs": a["obs"][index]}
+        return {"indices": index, "generations": a["generation"][index].copy(), "obs": self.obs_at(index)}
 
     def update_targets(self, indices: np.ndarray, generations: np.ndarray, policies: np.ndarray,
                        root_values: np.ndarray) -> int:
@@ -364,7 +406,8 @@ class ReplayBuffer:
         meta = {
             "cursor": self.cursor, "size": self.size, "num_sampleable": self.num_sampleable,
             "total_added": self.total_added, "segments_added": self.segments_added,
-            "max_priority": self.max_priority, "capacity": self.capacity,
+            "max_priority": self.max_priority, "capacity": self.capacity, "frame_stack": self.stack,
+            "obs_shape": self.obs_shape,
         }
         arrays = {} if self._arrays is None else self._arrays
         with open(tmp, "wb") as f:
@@ -380,12 +423,18 @@ class ReplayBuffer:
                 raise ValueError(
                     f"replay snapshot {path} has capacity {meta['capacity']}, the config asks {self.capacity}"
                 )
+            if meta.get("frame_stack", 1) != self.stack:
+                raise ValueError(f"replay snapshot {path} was written with replay.frame_stack="
+                                 f"{meta.get('frame_stack', 1)}, the config asks {self.cfg.frame_stack}")
             names = [k for k in data.files if k != "meta"]
             previous = self._arrays if self.shared_paths is not None else None
             self._arrays = {k: data[k].copy() for k in names} if names else None
         for key in ("cursor", "size", "num_sampleable", "total_added", "segments_added", "max_priority"):
             setattr(self, key, meta[key])
         a = self._arrays
+        if a is not None:
+            self.obs_shape = tuple(meta["obs_shape"]) if meta.get("obs_shape") else tuple(a["obs"].shape[1:])
+            a.setdefault("held", a["alive"].copy())  # snapshots from before frame storage
         if a is None:
             self.tree.set_all(np.zeros(self.capacity))
             return
