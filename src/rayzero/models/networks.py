@@ -111,10 +111,10 @@ class MuZeroNet(nn.Module):
 
     def pack(self, latent: torch.Tensor, h: torch.Tensor, c: torch.Tensor, prefix: torch.Tensor,
              depth: torch.Tensor) -> torch.Tensor:
-        """The flat search latent [B, latent + 2 lstm_hidden + 2] of a value-prefix model."""
-        dtype = latent.dtype
-        return torch.cat([latent.flatten(1), h.to(dtype), c.to(dtype), prefix.to(dtype).unsqueeze(1),
-                          depth.to(dtype).unsqueeze(1)], dim=1)
+        """The flat search latent [B, latent + 2 lstm_hidden + 2] of a value-prefix model, in float32 (so the
+        parent prefix that rewards are differences from keeps its precision under a bf16 trunk)."""
+        return torch.cat([latent.flatten(1).float(), h.float(), c.float(), prefix.float().unsqueeze(1),
+                          depth.float().unsqueeze(1)], dim=1)
 
     def unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(latent [B, *latent_shape], h, c, parent prefix [B] fp32, depth [B] fp32) of a packed latent."""
