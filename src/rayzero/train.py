@@ -123,6 +123,7 @@ class Driver:
         self.last_metrics: dict[str, float] = {}
         self.stop_reason = ""
         self.solved_weights: Any = None
+        self.interrupt_requested = False  # set by Ctrl-C (SIGINT)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -167,19 +168,29 @@ class Driver:
                   f"learner_steps={self.learner_steps}, replay {self.replay_at_start['size']} transitions", flush=True)
         self.replay_transitions = self.replay_at_start["total_added"]
         log = MetricsLog(run_dir)
-        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
+        previous_int = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             self._loop(handles, log)
         except (KeyboardInterrupt, Interrupted):
             self.stop_reason = "interrupted"
             print("\nrayzero: interrupted; writing a checkpoint and the summary", flush=True)
         finally:
-            signal.signal(signal.SIGTERM, previous_handler)
+            signal.signal(signal.SIGTERM, previous_term)
+            signal.signal(signal.SIGINT, previous_int)
         summary = self._finish(handles, log)
         return summary
 
     def _on_sigterm(self, *_: Any) -> None:
         raise Interrupted()
+
+    def _on_sigint(self, *_: Any) -> None:
+        """Ctrl-C: the loop stops at its next turn (within a second or so), lets in-flight work finish and writes
+        a checkpoint; a flag rather than an exception, so no library call in between can swallow it. A second
+        Ctrl-C raises at once."""
+        if self.interrupt_requested:
+            raise KeyboardInterrupt
+        self.interrupt_requested = True
 
     def _loop(self, handles: cluster.Handles, log: MetricsLog) -> None:
         config = self.config
@@ -213,7 +224,10 @@ class Driver:
         while True:
             now = time.perf_counter()
             elapsed = now - start
-            if run.time_limit and elapsed >= run.time_limit:
+            if self.interrupt_requested:
+                self.stop_reason = "interrupted"
+                print("\nrayzero: interrupted; finishing in-flight work, then a checkpoint and the summary", flush=True)
+            elif run.time_limit and elapsed >= run.time_limit:
                 self.stop_reason = "time_limit"
             elif run.max_env_steps and self.env_steps >= run.max_env_steps:
                 self.stop_reason = "max_env_steps"
@@ -252,7 +266,8 @@ class Driver:
                                                         run.seed + 10_000)
                 pending[ref] = ("eval", 0)
                 eval_busy = True
-            timeout = max(0.01, min(next_log, next_eval) - time.perf_counter())
+            # At most a second, so a Ctrl-C (a flag, see _on_sigint) is noticed promptly.
+            timeout = max(0.01, min(next_log, next_eval, time.perf_counter() + 1.0) - time.perf_counter())
             if run.time_limit:
                 timeout = min(timeout, max(0.01, start + run.time_limit - time.perf_counter()))
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)

@@ -33,7 +33,9 @@ def connect(cfg: ClusterConfig) -> str:
     if address:
         ray.init(address=address, log_to_driver=True)
         return "existing"
-    ray.init(num_cpus=cfg.num_cpus or None, include_dashboard=False, log_to_driver=True)
+    # address="local": a new instance even when a `ray start` cluster runs on this machine (plain ray.init()
+    # would attach to that one); joining a cluster is what RAY_ADDRESS / cluster.address are for.
+    ray.init(address="local", num_cpus=cfg.num_cpus or None, include_dashboard=False, log_to_driver=True)
     return "local"
 
 
