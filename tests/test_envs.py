@@ -324,3 +324,28 @@ def test_env_spec_is_cached_and_matches_vector_env() -> None:
             obs = env.reset()
             assert env.spec == spec
             assert obs.shape[1:] == spec.observation_shape and obs.dtype == spec.observation_dtype
+
+
+def test_selfplay_sends_atari_segments_as_frames_that_restack_exactly() -> None:
+    """With replay.frame_stack, self-play sends each step's newest frame plus the first observation's older
+    frames; restacked they are exactly the observations a stacked-form worker with the same seed sends."""
+    from rayzero.actors.selfplay import SelfPlayWorker
+    from rayzero.config import ModelConfig, ReplayConfig
+    from rayzero.tree import SearchConfig
+
+    env_cfg = EnvConfig(id="ALE/Pong-v5", num_envs=2, image_size=84, grayscale=True)
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    search = SearchConfig(num_simulations=2)
+    sent: dict[int, list] = {0: [], 4: []}
+    for k in sent:
+        replay = ReplayConfig(segment_length=6, unroll_steps=1, td_steps=1, frame_stack=k)
+        worker = SelfPlayWorker(env_cfg, model, search, replay, seed=3, sink=sent[k].append)
+        worker.collect(20)
+        worker.env.close()
+    assert len(sent[4]) == len(sent[0]) >= 4
+    for framed, stacked in zip(sent[4], sent[0]):
+        assert stacked.history is None and framed.history.shape == (3, 1, 84, 84)
+        assert framed.obs.shape == (len(stacked.actions), 1, 84, 84)
+        np.testing.assert_array_equal(framed.stacked_obs(), stacked.obs)
+        np.testing.assert_array_equal(framed.actions, stacked.actions)
+    assert any(f.history.any() for f in sent[4])  # mid-episode segments carry real older frames

@@ -192,11 +192,15 @@ def test_frame_storage_restacks_exactly_through_eviction_and_snapshots(tmp_path)
     plain_cfg = ReplayConfig(capacity=500, unroll_steps=2, td_steps=2, discount=0.9, min_size=0, next_obs=True,
                              bootstrap_obs=True)
     frames, plain = ReplayBuffer(cfg, seed=0), ReplayBuffer(plain_cfg, seed=0)
+    sent_as_frames = ReplayBuffer(cfg, seed=0)  # the same segments in frame form, as self-play sends them
     truth = {}  # frame-buffer position -> (plain-buffer position), for positions written last
     rng = np.random.default_rng(0)
     for s in stacked_segments(rng):
         frames.add(s)
         plain.add(s)
+        small = s._replace(obs=s.obs[:, -3:], history=s.obs[0, :-3].reshape(3, 3, 5, 5))
+        np.testing.assert_array_equal(small.stacked_obs(), s.obs)
+        sent_as_frames.add(small)
         n = len(s.actions)
         for o in range(n):
             truth[frames.cursor - n + o] = plain.cursor - n + o
@@ -214,6 +218,8 @@ def test_frame_storage_restacks_exactly_through_eviction_and_snapshots(tmp_path)
                 np.testing.assert_array_equal(getattr(mine, name), getattr(theirs, name), err_msg=f"{name} at {p}")
 
     check(frames)
+    for name, array in frames._arrays.items():
+        np.testing.assert_array_equal(sent_as_frames._arrays[name], array, err_msg=name)
     frames.snapshot(tmp_path / "frames.npz")
     restored = ReplayBuffer(cfg, seed=0)
     restored.restore(tmp_path / "frames.npz")

@@ -159,6 +159,7 @@ def _ale_game(cfg: EnvConfig) -> str:
 
 
 def _check_gym_id(cfg: EnvConfig) -> None:
+    _register_ale()  # old-style Atari ids exist (and are recognised below) only once ale-py registered them
     registry = gymnasium.envs.registry
     if ":" in cfg.id:  # 'module:Env-v0' registers itself on import; let gymnasium.make report problems.
         return

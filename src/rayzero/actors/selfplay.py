@@ -67,8 +67,17 @@ class SelfPlayWorker:
         return version
 
     def _emit(self, env: int, length: int, sampleable: int, terminal: bool, bootstrap: float) -> Segment:
+        k = self.replay_cfg.frame_stack
+        if k > 1 and self.buf_obs.ndim == 5 and self.buf_obs.shape[2] % k == 0:
+            # Frame form: each step's newest frame plus the first observation's older frames (replay restacks).
+            channels = self.buf_obs.shape[2] // k
+            obs = self.buf_obs[env, :length, -channels:].copy()
+            history = self.buf_obs[env, 0, :-channels].reshape(k - 1, channels, *self.buf_obs.shape[3:]).copy()
+        else:
+            obs, history = self.buf_obs[env, :length].copy(), None
         return Segment(
-            obs=self.buf_obs[env, :length].copy(),
+            obs=obs,
+            history=history,
             actions=self.buf_action[env, :length].copy(),
             rewards=self.buf_reward[env, :length].copy(),
             policies=self.buf_policy[env, :length].copy(),

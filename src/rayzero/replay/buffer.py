@@ -45,6 +45,17 @@ class Segment(NamedTuple):
     num_sampleable: int  # positions [0, num_sampleable) can start a sampled unroll
     terminal: bool  # the episode ends with a terminal state after the last step
     bootstrap_value: float  # value after the last step when not terminal (episode truncated)
+    history: np.ndarray | None = None
+    # Frame form (replay.frame_stack = k): obs holds each step's newest frame [T, C, H, W] and history the
+    # k - 1 older frames of the first step's observation [k - 1, C, H, W], a quarter of the bytes to send.
+
+    def stacked_obs(self) -> np.ndarray:
+        """[T, k * C, H, W] the observations, restacked when the segment is in frame form."""
+        if self.history is None:
+            return self.obs
+        frames = np.concatenate([self.history, self.obs])
+        k = len(self.history) + 1
+        return np.stack([frames[t:t + k].reshape(-1, *frames.shape[2:]) for t in range(len(self.obs))])
 
 
 class Batch(NamedTuple):
@@ -94,9 +105,17 @@ class ReplayBuffer:
 
     # -- storage -------------------------------------------------------------------------------------
 
+    def _segment_obs_shape(self, segment: Segment) -> tuple[int, ...]:
+        if segment.history is None:
+            return tuple(segment.obs.shape[1:])
+        if len(segment.history) + 1 != self.stack or segment.history.shape[1:] != segment.obs.shape[1:]:
+            raise ValueError(f"replay.add: a segment in frame form with history {segment.history.shape} and frames "
+                             f"{segment.obs.shape} does not fit replay.frame_stack={self.cfg.frame_stack}")
+        return (segment.obs.shape[1] * self.stack, *segment.obs.shape[2:])
+
     def _allocate(self, segment: Segment) -> None:
         cap = self.capacity
-        self.obs_shape = tuple(segment.obs.shape[1:])
+        self.obs_shape = self._segment_obs_shape(segment)
         if self.stack > 1 and (len(self.obs_shape) != 3 or self.obs_shape[0] % self.stack):
             raise ValueError(f"replay.frame_stack={self.stack} needs image observations [frame_stack * C, H, W]; "
                              f"got observations of shape {self.obs_shape}")
@@ -164,9 +183,10 @@ class ReplayBuffer:
             raise ValueError(f"replay.add: num_sampleable={segment.num_sampleable} must be in [1, {length}]")
         if self._arrays is not None:
             a = self._arrays
-            if segment.obs.shape[1:] != self.obs_shape or segment.policies.shape[1] != a["policy"].shape[1]:
+            obs_shape = self._segment_obs_shape(segment)
+            if obs_shape != self.obs_shape or segment.policies.shape[1] != a["policy"].shape[1]:
                 raise ValueError(
-                    f"replay.add: segment obs {segment.obs.shape[1:]} / actions {segment.policies.shape[1]} "
+                    f"replay.add: segment obs {obs_shape} / actions {segment.policies.shape[1]} "
                     f"do not match the buffer's {self.obs_shape} / {a['policy'].shape[1]}"
                 )
 
@@ -199,12 +219,16 @@ class ReplayBuffer:
         start, stop = block + self.history, block + self.history + length  # the steps
         a["generation"][block:stop] += 1  # before the data: a reader that checks afterwards sees the write
         if self.stack == 1:
-            a["obs"][start:stop] = segment.obs
+            a["obs"][start:stop] = segment.stacked_obs()
         else:
-            channels = self.obs_shape[0] // self.stack
-            a["obs"][block:start] = segment.obs[0, :-channels].reshape(self.history, channels,
-                                                                       *self.obs_shape[1:])
-            a["obs"][start:stop] = segment.obs[:, -channels:]
+            if segment.history is not None:  # already in frame form
+                a["obs"][block:start] = segment.history
+                a["obs"][start:stop] = segment.obs
+            else:
+                channels = self.obs_shape[0] // self.stack
+                a["obs"][block:start] = segment.obs[0, :-channels].reshape(self.history, channels,
+                                                                           *self.obs_shape[1:])
+                a["obs"][start:stop] = segment.obs[:, -channels:]
             a["seg_start"][block:start] = start  # history slots belong to the block (eviction finds them)
             a["seg_len"][block:start] = length
             a["held"][block:start] = True
