@@ -1,7 +1,8 @@
 """Reanalyse (MuZero Reanalyze): fresh policy targets and search values for stored positions.
 
 A `ReanalyseWorker` (made a Ray actor in cluster/, one or more of them) takes a batch of positions from a replay
-shard, runs one batched search over them with the latest published weights (on its GPU when it has one), and
+shard, runs one batched search over them with the latest published weights (on its GPU when it has one, as a
+replayed CUDA graph of the whole search, falling back to eager search if the capture fails), and
 writes the visit distributions and root values back over the stored ones. Later batches that include those
 positions then train on targets of the current network rather than of the one that played them: the policy
 targets directly, the value targets through the n-step bootstrap (the stored search value n steps ahead;
@@ -37,17 +38,44 @@ class ReanalyseWorker:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = -1
         self.positions = 0
+        # On CUDA, one whole search per batch size is captured as a CUDA graph (tree/capture.py) and replayed;
+        # weights are updated in place, so the graphs stay valid across versions. None: capture failed, eager.
+        self.captured: dict[int, Any] = {}
+        self.capture_error: str | None = None
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         self.evaluator.set_weights(state_dict)
         self.version = version
         return version
 
+    def _captured(self, root: Any) -> Any:
+        """The CUDA-graph search for this batch size (captured on first use), or None to search eagerly."""
+        if self.device.type != "cuda" or self.capture_error is not None:
+            return None
+        batch = root.prior_logits.shape[0]
+        if batch not in self.captured:
+            from rayzero.tree.capture import CapturedSearch
+
+            try:
+                self.captured[batch] = CapturedSearch(self.evaluator.recurrent_fn, root,
+                                                      self.search_cfg.num_simulations, self.search_cfg,
+                                                      generator=self.generator)
+            except Exception as error:  # noqa: BLE001 - any capture failure: keep reanalysing, eagerly
+                self.capture_error = f"{type(error).__name__}: {error}"
+                print(f"rayzero: reanalyse search capture failed ({self.capture_error[:300]}); searching eagerly",
+                      flush=True)
+                return None
+        return self.captured[batch]
+
     def targets(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(policies [B, A], root values [B]) of one batched search from observations [B, ...]."""
         root = self.evaluator.root(obs)
-        out = search(root, self.evaluator.recurrent_fn, self.search_cfg.num_simulations, self.search_cfg,
-                     generator=self.generator)
+        captured = self._captured(root)
+        if captured is not None:
+            out = captured(root, generator=self.generator)
+        else:
+            out = search(root, self.evaluator.recurrent_fn, self.search_cfg.num_simulations, self.search_cfg,
+                         generator=self.generator)
         self.evaluator.release()
         return out.action_weights.float().cpu().numpy(), out.root_value.float().cpu().numpy()
 
