@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -51,7 +52,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from rayzero import config as config_lib
-    from rayzero.envs import env_spec
     from rayzero.storage import is_uri
     from rayzero.train import check_resumable, train
 
@@ -70,7 +70,7 @@ def _train(args: argparse.Namespace) -> int:
         else:
             preset = "cartpole"
     config = config_lib.load(preset, overrides)
-    env_spec(config.env)  # an unknown env id fails here, before Ray starts
+    _check_env(config.env)  # an unknown env id fails here, before Ray starts
     if args.resume and not is_uri(args.out):
         check_resumable(run_dir)  # a URI is checked after it is fetched
     summary = train(config, args.out, resume=args.resume)
@@ -85,7 +85,6 @@ def _eval(args: argparse.Namespace) -> int:
     from rayzero import config as config_lib
     from rayzero.actors.evaluate import play_episodes, record_gif
     from rayzero.actors.evaluator import LocalEvaluator
-    from rayzero.envs import env_spec
     from rayzero.learner import checkpoint as ckpt
     from rayzero.learner import load_model_weights
     from rayzero.models import build_model
@@ -99,7 +98,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ckpt.CheckpointError(f"no config.yaml found next to checkpoint {str(checkpoint)!r}")
     config = config_lib.load(str(config_path), list(args.overrides))
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    spec = env_spec(config.env)
+    spec = _check_env(config.env)
     model = build_model(config.model, spec.observation_shape, spec.num_actions)
     load_model_weights(model, checkpoint)
     evaluator = LocalEvaluator(model, config.replay.discount)
@@ -151,20 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, UsageError) as error:
         print(f"rayzero: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except ValueError as error:
-        # Validation errors raised before any work starts (e.g. an unknown env id) are one-liners.
-        if getattr(error, "__traceback__", None) is not None and _is_input_error(error):
-            print(f"rayzero: error: {str(error).splitlines()[0]}", file=sys.stderr)
-            return EXIT_USAGE
+
+
+def _check_env(env_cfg: Any) -> Any:
+    """The env's spec; a ValueError here (an unknown id, an unsupported space) is bad input: a ConfigError."""
+    from rayzero.config import ConfigError
+    from rayzero.envs import env_spec
+
+    try:
+        return env_spec(env_cfg)
+    except ConfigError:
         raise
-
-
-def _is_input_error(error: ValueError) -> bool:
-    """True for errors raised while validating inputs (config, env id), not from deep inside training."""
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)
-    return any(f.filename.endswith(("envs.py", "config.py", "base.py")) for f in frames)
+    except ValueError as error:
+        raise ConfigError(str(error).splitlines()[0]) from None
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         learner_gpus = 1.0
     all_learner_gpus = learner_gpus * c.num_learners
     if all_learner_gpus > gpus:
-        raise ValueError(f"cluster.learner_gpus={learner_gpus} x cluster.num_learners={c.num_learners} needs "
+        raise ConfigError(f"cluster.learner_gpus={learner_gpus} x cluster.num_learners={c.num_learners} needs "
                          f"{all_learner_gpus} GPUs but the cluster has {gpus}")
     mode = config.inference.mode
     if mode == "auto":
@@ -113,7 +113,7 @@ class ReplayShards:
         missing = [name for name in self.file_names() if not os.path.exists(os.path.join(directory, name))]
         if missing:
             present = sorted(f for f in os.listdir(directory) if f.startswith("replay"))
-            raise ValueError(f"checkpoint {directory} lacks {', '.join(missing)} (it holds {present or 'no replay'});"
+            raise ConfigError(f"checkpoint {directory} lacks {', '.join(missing)} (it holds {present or 'no replay'});"
                              f" resume with the replay.shards it was written with")
         return [a.restore.remote(os.path.join(directory, name)) for a, name in zip(self.actors, self.file_names())]
 
