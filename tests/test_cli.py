@@ -75,3 +75,17 @@ def test_corrupt_checkpoint(tmp_path, command):
 
 def test_unknown_benchmark():
     assert_usage_error(rayzero("bench", "nosuchbench"), "nosuchbench", "tree")
+
+
+def test_selfplay_benchmark_quick_writes_its_json(tmp_path):
+    import json
+
+    path = tmp_path / "selfplay.json"
+    result = rayzero("bench", "selfplay", "--quick", "--json", str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(path.read_text())
+    assert document["benchmark"] == "selfplay" and document["versions"]["torch"]
+    rows = {row["preset"]: row for row in document["rows"]}
+    assert set(rows) == {"cartpole", "atari"}
+    for row in rows.values():
+        assert row["env_steps_per_second"] > 0 and 0 < row["network_share"] < 1
