@@ -232,29 +232,22 @@ class LearnerGroup:
             raise error
         return ray.get(refs)
 
+    def _retrying(self, who: str, method: str, call: Any) -> Any:
+        """call(); if a rank died, restart the group from the last checkpoint and call once more."""
+        try:
+            return call()
+        except RayActorError as error:
+            log(f"{who} died during {method} ({type(error).__name__}); restarting the group")
+            self.restart()
+        return call()
+
     def _all(self, method: str, per_rank_args: list[tuple] | None = None, *args: Any) -> list[Any]:
-        for attempt in (0, 1):
-            try:
-                refs = [getattr(r, method).remote(*(per_rank_args[i] if per_rank_args else args))
-                        for i, r in enumerate(self.ranks)]
-                return self._wait_all(refs)
-            except RayActorError as error:
-                if attempt:
-                    raise
-                log(f"a rank died during {method} ({type(error).__name__}); restarting the group")
-                self.restart()
-        raise AssertionError("unreachable")
+        return self._retrying("a rank", method, lambda: self._wait_all([
+            getattr(r, method).remote(*(per_rank_args[i] if per_rank_args else args))
+            for i, r in enumerate(self.ranks)]))
 
     def _rank0(self, method: str, *args: Any) -> Any:
-        for attempt in (0, 1):
-            try:
-                return ray.get(getattr(self.ranks[0], method).remote(*args))
-            except RayActorError as error:
-                if attempt:
-                    raise
-                log(f"rank 0 died during {method} ({type(error).__name__}); restarting the group")
-                self.restart()
-        raise AssertionError("unreachable")
+        return self._retrying("rank 0", method, lambda: ray.get(getattr(self.ranks[0], method).remote(*args)))
 
     def train(self, replay: Any, num_steps: int) -> dict[str, Any]:
         """num_steps DDP updates, each rank on its own batches; rank 0's result (metrics averaged over ranks).

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from rayzero.replay.buffer import Batch, node_id
+from rayzero.replay.buffer import Batch, frame_slots, node_id
 from rayzero.replay import shared
 
 # Batch fields the loss reads; indices and generations stay on the host.
@@ -58,7 +58,6 @@ class ObsStore:
         self.generation = shared.open_readonly(info["generation"])
         self.stack = int(info.get("frame_stack") or 1)
         self.obs_shape = tuple(info.get("obs_shape") or self.obs.shape[1:])  # of one (stacked) observation
-        self.offsets = np.arange(-(self.stack - 1), 1)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="rayzero-gather") if threads > 1 else None
         self.threads = threads
 
@@ -73,9 +72,8 @@ class ObsStore:
             return None
 
     def slots(self, index: np.ndarray) -> np.ndarray:
-        """The slots of the shared array that hold the observations at positions `index`: the positions
-        themselves, or in frame mode [*index.shape, stack] (the frames ending at each position)."""
-        return index if self.stack == 1 else index[..., None] + self.offsets
+        """The slots of the shared array that hold the observations at positions `index` (replay's layout)."""
+        return frame_slots(index, self.stack)
 
     def gather(self, index: np.ndarray, out: np.ndarray) -> None:
         """index [N] positions -> out [N, *obs_shape] (a pinned buffer), in `threads` chunks; in frame mode the

@@ -37,7 +37,6 @@ class ReanalyseWorker:
         self.evaluator = LocalEvaluator(build_model(model_cfg, obs_shape, num_actions).to(self.device), discount)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = -1
-        self.positions = 0
         # On CUDA, one whole search per batch size is captured as a CUDA graph (tree/capture.py) and replayed;
         # weights are updated in place, so the graphs stay valid across versions. None: capture failed, eager.
         self.captured: dict[int, Any] = {}
@@ -91,6 +90,5 @@ class ReanalyseWorker:
             return {"positions": 0, "updated": 0, "version": self.version, "seconds": time.perf_counter() - start}
         policies, values = self.targets(job["obs"])
         updated = ray.get(replay.update_targets.remote(job["indices"], job["generations"], policies, values))
-        self.positions += len(job["indices"])
         return {"positions": len(job["indices"]), "updated": updated, "version": self.version,
                 "seconds": time.perf_counter() - start}

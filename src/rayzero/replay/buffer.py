@@ -34,6 +34,12 @@ from rayzero.replay import shared
 from rayzero.replay.sumtree import SumTree
 
 
+def frame_slots(positions: np.ndarray, stack: int) -> np.ndarray:
+    """The slots holding the observations at `positions`: the positions themselves (stack 1), or in frame mode
+    [*positions.shape, stack], the frames ending at each position (oldest first: the stacked layout)."""
+    return positions if stack == 1 else positions[..., None] + np.arange(1 - stack, 1)
+
+
 class Segment(NamedTuple):
     """One env's steps, in order. T = steps stored, A = actions."""
 
@@ -161,11 +167,7 @@ class ReplayBuffer:
 
     def obs_at(self, positions: np.ndarray) -> np.ndarray:
         """[*positions.shape, *obs_shape] the observations at data positions (restacked in frame mode)."""
-        obs = self._arrays["obs"]
-        if self.stack == 1:
-            return obs[positions]
-        frames = positions[..., None] + np.arange(-self.history, 1)
-        return obs[frames].reshape(*positions.shape, *self.obs_shape)
+        return self._arrays["obs"][frame_slots(positions, self.stack)].reshape(*positions.shape, *self.obs_shape)
 
     def _check(self, segment: Segment) -> None:
         length = len(segment.actions)
@@ -219,7 +221,7 @@ class ReplayBuffer:
         start, stop = block + self.history, block + self.history + length  # the steps
         a["generation"][block:stop] += 1  # before the data: a reader that checks afterwards sees the write
         if self.stack == 1:
-            a["obs"][start:stop] = segment.stacked_obs()
+            a["obs"][start:stop] = segment.obs
         else:
             if segment.history is not None:  # already in frame form
                 a["obs"][block:start] = segment.history
