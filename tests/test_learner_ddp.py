@@ -1,6 +1,8 @@
 """Learner group on the CPU (gloo, real Ray actors): DDP equals one rank on the combined batch; a dead rank
 restarts the group from the last checkpoint; train() with a replay actor runs on every rank."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import ray
@@ -45,17 +47,35 @@ def ray_session():
     ray.shutdown()
 
 
+def start_group(learner_cfg):
+    return ray.remote(LearnerGroup).options(num_cpus=0).remote(
+        MODEL, learner_cfg, (4,), 2, 0, 1, num_learners=2, gpus_per_rank=0.0, cpus_per_rank=0.0
+    )
+
+
 @pytest.fixture(scope="module")
 def group(ray_session):
-    actor = ray.remote(LearnerGroup).options(num_cpus=0).remote(
-        MODEL, LEARNER, (4,), 2, 0, 1, num_learners=2, gpus_per_rank=0.0, cpus_per_rank=0.0
-    )
+    actor = start_group(LEARNER)
     yield actor
     ray.get(actor.close.remote())
     ray.kill(actor)
 
 
 def test_two_ranks_match_one_rank_on_the_combined_batch(group):
+    check_matches_one_rank(group, LEARNER)
+
+
+def test_flat_all_reduce_matches_one_rank_on_the_combined_batch(ray_session):
+    cfg = dataclasses.replace(LEARNER, grad_sync="flat")
+    flat = start_group(cfg)
+    try:
+        check_matches_one_rank(flat, cfg)
+    finally:
+        ray.get(flat.close.remote())
+        ray.kill(flat)
+
+
+def check_matches_one_rank(group, learner_cfg):
     buffer = ReplayBuffer(REPLAY, seed=0)
     for s in segments():
         buffer.add(s)
@@ -64,7 +84,7 @@ def test_two_ranks_match_one_rank_on_the_combined_batch(group):
     result = ray.get(group.train_on.remote(per_rank))
     _, group_weights = ray.get(group.weights.remote())
 
-    single = Learner(MODEL, LEARNER, (4,), 2, seed=0)
+    single = Learner(MODEL, learner_cfg, (4,), 2, seed=0)
     for i in range(steps):
         single.step(concat([per_rank[0][i], per_rank[1][i]]))
     for name, param in single.model.state_dict().items():

@@ -252,6 +252,13 @@ class LearnerConfig:
     t+k (0 = off). Needs replay.next_obs=true."""
     consistency_dim: int = 256
     """Width of the consistency projection (and of its prediction head's hidden layer)."""
+    grad_sync: str = "ddp"
+    """How the ranks of a learner group average gradients. 'ddp': torch's DistributedDataParallel (buckets
+    all-reduced as gradients become ready; gradients kept as views of the buckets; BatchNorm statistics stay
+    per rank, rank 0's are published). 'flat': after the backward, every gradient packed into one buffer and
+    all-reduced at once. A compiled backward hands all gradients over together, so DDP cannot overlap its
+    all-reduce with the backward and its per-parameter bucket copies are extra kernels; 'flat' launches a
+    handful. Both give the same parameters (tests/test_learner.py)."""
 
     def __post_init__(self) -> None:
         _check("learner", self, [
@@ -273,6 +280,7 @@ class LearnerConfig:
             ("target_update_interval", self.target_update_interval >= 0, ">= 0"),
             ("consistency_weight", self.consistency_weight >= 0, ">= 0"),
             ("consistency_dim", self.consistency_dim >= 1, ">= 1"),
+            ("grad_sync", self.grad_sync in ("ddp", "flat"), "'ddp' or 'flat'"),
         ])
 
 

@@ -84,7 +84,7 @@ class SyntheticReplay(ReplayBuffer):
 def _learner_cfg(batch: int, gpu: bool, v: Variant) -> LearnerConfig:
     return LearnerConfig(batch_size=batch, lr=1e-3, lr_warmup_steps=100, device="cuda" if gpu else "cpu",
                          compile=v.compile, compile_mode=v.compile_mode, channels_last=v.channels_last,
-                         steps_per_call=50)
+                         steps_per_call=50, grad_sync=v.grad_sync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +94,7 @@ class Variant:
     channels_last: bool = False
     compile_mode: str = LearnerConfig.compile_mode
     bare_only: bool = False
+    grad_sync: str = LearnerConfig.grad_sync  # of groups (learner.grad_sync)
 
     def label(self) -> str:
         parts = []
@@ -132,7 +133,7 @@ def _bare(sizes: Sizes, learner: Any, replay: Any, batch: int, steps: int) -> di
 
 def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) -> dict[str, Any]:
     row: dict[str, Any] = {"gpus": world, "batch_per_gpu": v.batch, "global_batch": v.batch * world,
-                           "variant": v.label()}
+                           "variant": v.label(), **({"grad_sync": v.grad_sync} if world > 1 else {})}
     if not v.bare_only:
         steps = sizes.steps_per_call
         # Untimed calls first, so a device observation cache (learner.obs_cache) holds most of the replay, as
@@ -160,12 +161,14 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) ->
 
 def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
         compile_mode: str = LearnerConfig.compile_mode,
-        alternatives: bool = True, overlap: bool = False) -> dict[str, Any]:
+        alternatives: bool = True, overlap: bool = False,
+        grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,)) -> dict[str, Any]:
     """All rows; `progress(partial results)` after each one (a run cut off still leaves its figures).
 
     alternatives: also the other memory layout and an eager bare row at the largest batch (GPU).
     overlap: start the multi-GPU group (ranks on 0.6 of a GPU each) together with the one-GPU learners (0.4),
     so all compile at once; each is then measured while the others idle (one batch size, 2 GPUs).
+    grad_syncs: the multi-GPU groups' learner.grad_sync variants (with overlap: one group each, started together).
     """
     began = time.perf_counter()
     replay_cfg = ReplayConfig(capacity=sizes.capacity, unroll_steps=5, td_steps=5, min_size=0, shared_obs=True)
@@ -201,8 +204,9 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     overlapped: list[tuple[int, Variant, Any]] = []
     if overlap and gpu and total_gpus == 2 and 2 in worlds and len(sizes.batches) == 1:
         share = 0.4
-        v = Variant(sizes.batches[0], compile_mode=compile_mode)
-        overlapped.append((2, v, _start(sizes, 2, v, gpu, 0.6)))
+        for sync in grad_syncs:
+            v = Variant(sizes.batches[0], compile_mode=compile_mode, grad_sync=sync)
+            overlapped.append((2, v, _start(sizes, 2, v, gpu, 0.6 / len(grad_syncs))))
         worlds = [w for w in worlds if w != 2]
     else:
         share = 1.0 / -(-len(variants) // max(1, total_gpus)) if gpu else 0.0
@@ -231,11 +235,11 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     for (world, v, group), ref in zip(overlapped, warm_groups):
         try:
             info = ray.get(ref)
-            print(f"{world} x {v.batch} {v.label()}: warm at {time.perf_counter() - t0:.1f}s "
+            print(f"{world} x {v.batch} {v.label()} {v.grad_sync}: warm at {time.perf_counter() - t0:.1f}s "
                   f"(compile {info['compile']})", flush=True)
             report(_measure(sizes, group, shards[:world], world, v))
         except Exception as error:  # noqa: BLE001 - reported
-            notes.append(f"{world} x {v.batch} failed: {type(error).__name__}: {str(error)[:2000]}")
+            notes.append(f"{world} x {v.batch} {v.grad_sync} failed: {type(error).__name__}: {str(error)[:2000]}")
             print(notes[-1], flush=True)
         finally:
             _stop(group)
@@ -246,25 +250,24 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
                     and "loop_samples_per_second" in r]
         if top_rows:
             nhwc = max(top_rows, key=lambda r: r["loop_samples_per_second"])["variant"].endswith("nhwc")
-    for world in worlds[1:]:
-        for b in sizes.batches:
-            v = Variant(b, channels_last=nhwc, compile_mode=compile_mode)
-            if over_budget(f"{world} x batch {b}"):
-                continue
-            t0 = time.perf_counter()
-            group = None
-            try:
-                group = _start(sizes, world, v, gpu)
-                info = ray.get(group.train.remote(shards[:world], sizes.steps_per_call))
-                print(f"{world} x {b} {v.label()}: up and warm in {time.perf_counter() - t0:.1f}s "
-                      f"(compile {info['compile']})", flush=True)
-                report(_measure(sizes, group, shards[:world], world, v))
-            except Exception as error:  # noqa: BLE001 - reported, the other configurations go on
-                notes.append(f"{world} x {b} failed: {type(error).__name__}: {str(error)[:2000]}")
-                print(notes[-1], flush=True)
-            finally:
-                if group is not None:
-                    _stop(group)
+    for world, b, sync in [(w, b, g) for w in worlds[1:] for b in sizes.batches for g in grad_syncs]:
+        v = Variant(b, channels_last=nhwc, compile_mode=compile_mode, grad_sync=sync)
+        if over_budget(f"{world} x batch {b} {sync}"):
+            continue
+        t0 = time.perf_counter()
+        group = None
+        try:
+            group = _start(sizes, world, v, gpu)
+            info = ray.get(group.train.remote(shards[:world], sizes.steps_per_call))
+            print(f"{world} x {b} {v.label()} {sync}: up and warm in {time.perf_counter() - t0:.1f}s "
+                  f"(compile {info['compile']})", flush=True)
+            report(_measure(sizes, group, shards[:world], world, v))
+        except Exception as error:  # noqa: BLE001 - reported, the other configurations go on
+            notes.append(f"{world} x {b} {sync} failed: {type(error).__name__}: {str(error)[:2000]}")
+            print(notes[-1], flush=True)
+        finally:
+            if group is not None:
+                _stop(group)
     scaling = []
     for row in rows:
         if row["gpus"] > 1 and "loop_samples_per_second" in row:
@@ -273,6 +276,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             if one:
                 scaling.append({
                     "gpus": row["gpus"], "batch_per_gpu": row["batch_per_gpu"], "variant": row["variant"],
+                    "grad_sync": row.get("grad_sync"),
                     "speedup": row["loop_samples_per_second"] / one["loop_samples_per_second"],
                     "efficiency": row["loop_samples_per_second"] / (row["gpus"] * one["loop_samples_per_second"]),
                     "bare_speedup": row["bare_samples_per_second"] / one["bare_samples_per_second"],
@@ -322,12 +326,14 @@ def _row_text(row: dict[str, Any]) -> str:
     return (f"{row['gpus']} x {row['batch_per_gpu']:>5} {row.get('variant', ''):<10} loop {f('loop_samples_per_second'):>9} samples/s "
             f"({f('loop_steps_per_second', '{:.1f}')} steps/s, {f('loop_ms_per_step', '{:.1f}')} ms)  "
             f"bare {f('bare_samples_per_second'):>9} samples/s ({f('bare_ms_per_step', '{:.1f}')} ms)  "
-            f"compile {row.get('compile')}  obs {row.get('obs_path', '-')}")
+            f"compile {row.get('compile')}  obs {row.get('obs_path', '-')}"
+            + (f"  grad_sync {row['grad_sync']}" if "grad_sync" in row else ""))
 
 
 def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, ...] | None = None,
          compile_mode: str = LearnerConfig.compile_mode, alternatives: bool = True, overlap: bool = False,
-         capacity: int | None = None, short: bool = False) -> dict[str, Any]:
+         capacity: int | None = None, short: bool = False,
+         grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,)) -> dict[str, Any]:
     """The benchmark (see the module docstring); the keyword options narrow a run (e.g. one batch size,
     CUDA graphs, everything compiling at once) when device time is short."""
     sizes = QUICK if quick else FULL
@@ -355,14 +361,15 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
             write_json(json_path, "learner", {**header, **partial})
 
     try:
-        results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap)
+        results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap, grad_syncs)
         results["reanalyse"] = reanalyse_rates(sizes, gpu)
     finally:
         if started_here:
             ray.shutdown()
     one_1024 = max((r for r in results["rows"] if r["gpus"] == 1 and r["batch_per_gpu"] == 1024
                     and "loop_samples_per_second" in r), key=lambda r: r["loop_samples_per_second"], default=None)
-    two_1024 = next((s for s in results["scaling"] if s["gpus"] == 2 and s["batch_per_gpu"] == 1024), None)
+    two_1024 = max((s for s in results["scaling"] if s["gpus"] == 2 and s["batch_per_gpu"] == 1024),
+                   key=lambda s: s["speedup"], default=None)
     bars = {}
     if gpu:
         bars = {
@@ -374,7 +381,7 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
     for row in results["rows"]:
         print("  " + _row_text(row))
     for s in results["scaling"]:
-        print(f"  scaling {s['gpus']} x {s['batch_per_gpu']}: {s['speedup']:.2f}x loop "
+        print(f"  scaling {s['gpus']} x {s['batch_per_gpu']} ({s['grad_sync']}): {s['speedup']:.2f}x loop "
               f"(efficiency {s['efficiency']:.0%}), {s['bare_speedup']:.2f}x bare")
     if bars:
         print(f"  bars: {bars}")
@@ -391,6 +398,9 @@ if __name__ == "__main__":
     parser.add_argument("--overlap", action="store_true", help="compile the 1- and 2-GPU learners at once")
     parser.add_argument("--capacity", type=int, default=0)
     parser.add_argument("--short", action="store_true", help="2 timed calls and 20 bare steps per row")
+    parser.add_argument("--grad-sync", default=LearnerConfig.grad_sync,
+                        help="comma-separated learner.grad_sync variants of the multi-GPU rows (ddp, flat)")
     args = parser.parse_args()
     main(args.quick, args.json, tuple(int(b) for b in args.batches.split(",") if b), args.compile_mode,
-         not args.no_alternatives, args.overlap, args.capacity or None, args.short)
+         not args.no_alternatives, args.overlap, args.capacity or None, args.short,
+         tuple(args.grad_sync.split(",")))

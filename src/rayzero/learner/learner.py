@@ -15,6 +15,7 @@ the copy overlap the update.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 import time
@@ -121,10 +122,21 @@ class Learner:
             import torch.distributed as dist
 
             self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-            self._forward = torch.nn.parallel.DistributedDataParallel(
-                self._switch, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                bucket_cap_mb=64,
-            )
+            if cfg.grad_sync == "ddp":
+                # Buffers (BatchNorm statistics) are not broadcast before each forward: training normalises
+                # with batch statistics, so only rank 0's running statistics, which it publishes, matter.
+                DDP = torch.nn.parallel.DistributedDataParallel
+                no_sync = ({"forward_sync_buffers": False}  # torch >= 2.13 (broadcast_buffers is deprecated)
+                           if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                           else {"broadcast_buffers": False})
+                self._forward = DDP(
+                    self._switch, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    bucket_cap_mb=64, gradient_as_bucket_view=True, **no_sync,
+                )
+            else:  # 'flat': start from rank 0's parameters and buffers, as DDP does
+                with torch.no_grad():
+                    for tensor in self.loss_module.state_dict().values():
+                        dist.broadcast(tensor, 0)
         cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
             self.loss_module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -214,6 +226,8 @@ class Learner:
                 self.compile_state = "on:" + self.compile_state.split(":", 1)[1]
             break
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.world_size > 1 and cfg.grad_sync == "flat":
+            self._all_reduce_flat(params)
         if cfg.grad_clip:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
         else:
@@ -230,6 +244,18 @@ class Learner:
         self.steps += 1
         self.samples += len(tensors["weights"]) * self.world_size
         return priorities, metrics
+
+    def _all_reduce_flat(self, params: list[torch.Tensor]) -> None:
+        """Average the gradients over the ranks with one all-reduce of one packed buffer (learner.grad_sync)."""
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        with_grad = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        flat = _flatten_dense_tensors(grads).div_(self.world_size)
+        dist.all_reduce(flat)
+        for param, grad in zip(with_grad, _unflatten_dense_tensors(flat, grads)):
+            param.grad = grad
 
     def sync_target(self) -> None:
         """Copy the network into the target network."""
