@@ -146,6 +146,7 @@ def test_served_through_ray_to_a_selfplay_search():
         evaluator = RemoteEvaluator(actor, 0.99, "client-0")
         root = evaluator.root(np.zeros((5, 4), dtype=np.float32))
         out = search(root, evaluator.recurrent_fn, 8, SearchConfig(dirichlet_fraction=0.0))
+        assert evaluator.client.transport == "channel"  # the driver is on the actor's node
         evaluator.release()
         assert out.visit_counts.sum(1).tolist() == [8] * 5
         assert ray.get(actor.stats.remote())["free_slots"] == 65536

@@ -320,6 +320,9 @@ class InferenceConfig:
     cache_size: int = 0
     """Entries of the initial-inference cache keyed by an observation hash (LRU; 0 = off). Cleared on
     every weight update."""
+    channels: bool = True
+    """Let clients on the actor's node send initial and recurrent requests through shared-memory channels
+    (inference/channel.py) instead of Ray calls; clients elsewhere use Ray calls either way."""
     switch_interval_us: int = 20
     """CUDA: the Python thread switch interval the actor sets (its GPU thread and its event loop share the
     GIL; with Python's default of 5000 us the GPU thread waits for it after CUDA calls); 0 = Python's."""

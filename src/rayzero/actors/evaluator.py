@@ -4,7 +4,8 @@ Both give the same two calls, batched over roots:
     root(obs [B, ...] numpy) -> RootOutput(prior_logits [B, A], value [B], embedding [B, ...])
     recurrent_fn(action [B], embedding [B, ...]) -> (RecurrentOutput, next_embedding)
 With the inference actor the "embedding" is a tensor of latent-slot handles [B] int64: latents stay on the
-inference device and only handles, actions, rewards, values and priors cross Ray.
+inference device and only handles, actions, rewards, values and priors travel, through a shared-memory channel
+when the actor is on this node (inference/channel.py), else through Ray calls.
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 class RemoteEvaluator:
     """Evaluates through the central inference actor; latents stay there, referred to by slot handles."""
 
-    def __init__(self, server: Any, discount: float, client_id: str, whole_search: bool = False):
+    def __init__(self, server: Any, discount: float, client_id: str, whole_search: bool = False,
+                 channel: bool = True):
         self.server = server
         self.discount = discount
         self.client_id = client_id
         self.whole_search = whole_search
+        self.channel = channel
+        self.client: Any = None  # an InferenceClient, opened at the first root (sized by its batch)
 
     def search(self, obs: np.ndarray, temperature: float) -> dict[str, np.ndarray]:
         """A whole search on the inference actor: action [B], action_weights [B, A], root_value [B]."""
@@ -69,10 +73,18 @@ class RemoteEvaluator:
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The inference actor receives weights from the driver directly."""
 
-    def root(self, obs: np.ndarray) -> RootOutput:
-        import ray
+    def _client(self, rows: int) -> Any:
+        from rayzero.inference.channel import InferenceClient
 
-        out = ray.get(self.server.initial.remote(self.client_id, obs))
+        if self.client is None or rows > self.client.obs_rows:
+            if self.client is not None:
+                self.client.close()
+            # Recurrent requests carry one row per root (several with virtual loss): room for 4 per root.
+            self.client = InferenceClient(self.server, self.client_id, 4 * rows, rows, channel=self.channel)
+        return self.client
+
+    def root(self, obs: np.ndarray) -> RootOutput:
+        out = self._client(len(obs)).initial(obs)
         return RootOutput(
             prior_logits=_tensor(out["policy_logits"]),
             value=_tensor(out["value"]),
@@ -80,9 +92,8 @@ class RemoteEvaluator:
         )
 
     def recurrent_fn(self, action: torch.Tensor, embedding: torch.Tensor) -> tuple[RecurrentOutput, torch.Tensor]:
-        import ray
-
-        out = ray.get(self.server.recurrent.remote(self.client_id, embedding.numpy(), action.numpy()))
+        client = self.client if self.client is not None else self._client(len(action))
+        out = client.recurrent(embedding.numpy(), action.numpy())
         value = _tensor(out["value"])
         return (
             RecurrentOutput(

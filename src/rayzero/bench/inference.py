@@ -9,7 +9,8 @@ Sections (each one's failure is recorded in `errors` and the others still run):
 * transformer: the same for the Transformer model (6 layers, 256 patch tokens + 8 latent tokens, width 256);
 * search: whole 50-simulation searches per bucket, CapturedSearch replay vs eager `search`;
 * served: the actor in Ray (ray.init on this host), N CPU-only client actors each sending recurrent
-  requests of R rows (store=False) back to back, one phase per R (16 x 1024, 16 x 2048): evaluations/s in the steady state vs the in-process graph
+  requests of R rows (store=False) back to back, through shared-memory channels (16 x 1024, 16 x 2048) and as
+  Ray calls (16 x 2048): evaluations/s in the steady state vs the in-process graph
   replay at the same bucket, p50/p99 request latency, GPU utilisation (NVML, or nvidia-smi sampling) and
   energy per evaluation (NVML energy counter, or integrated power samples); optional Chrome trace.
 --quick: small nets on the CPU (eager only), 4 clients for a few seconds; < 60 s on 2 cores.
@@ -272,41 +273,48 @@ def _energy_per_eval(monitor: GpuMonitor, srv, kind: str, bucket: int, seconds: 
 
 
 class _Client:
-    """A CPU-only client actor: one initial request, then recurrent requests back to back (store=False)."""
+    """A CPU-only client actor: one initial request, then recurrent requests back to back (store=False), as
+    Ray calls (transport 'ray') or through a shared-memory channel (transport 'channel', inference/channel.py)."""
 
-    def __init__(self, server, name: str, obs_box: list, rows: int, num_actions: int, seed: int):
+    def __init__(self, server, name: str, obs_box: list, rows: int, num_actions: int, seed: int,
+                 transport: str = "ray"):
+        from rayzero.inference.channel import InferenceClient
+
         self.server, self.name, self.obs_box, self.rows = server, name, obs_box, rows
         rng = np.random.default_rng(seed)
         self.actions = [rng.integers(0, num_actions, size=rows).astype(np.int64) for _ in range(8)]
         self.handles = None
+        self.client = InferenceClient(server, name, rows, 0, channel=transport == "channel")
 
-    def setup(self) -> int:
+    def setup(self) -> str:
         import ray
 
         out = ray.get(self.server.initial.remote(self.name, self.obs_box[0]))
         self.handles = out["handles"]
-        return len(self.handles)
+        return self.client.transport
 
     def run(self, until: float) -> list[tuple[float, float, int]]:
         """(sent, received, rows) of each request until time.monotonic() >= until."""
-        import ray
-
         log, i = [], 0
         while time.monotonic() < until:
             sent = time.monotonic()
-            ray.get(self.server.recurrent.remote(self.name, self.handles, self.actions[i % 8], False))
+            self.client.recurrent(self.handles, self.actions[i % 8], False)
             log.append((sent, time.monotonic(), self.rows))
             i += 1
         return log
 
+    def close(self) -> None:
+        self.client.close()
+
 
 def _phase(ray, server, monitor: GpuMonitor | None, trace_path: str | None, name: str, clients: int, rows: int,
-           obs: np.ndarray, num_actions: int, duration_s: float, warmup_s: float) -> dict[str, Any]:
+           obs: np.ndarray, num_actions: int, duration_s: float, warmup_s: float,
+           transport: str = "ray") -> dict[str, Any]:
     """One served measurement: `clients` actors x `rows` rows per request, steady-state window figures."""
     obs_box = [ray.put(obs[:rows])]
-    actors = [ray.remote(num_cpus=0)(_Client).remote(server, f"{name}-{i}", obs_box, rows, num_actions, i)
+    actors = [ray.remote(num_cpus=0)(_Client).remote(server, f"{name}-{i}", obs_box, rows, num_actions, i, transport)
               for i in range(clients)]
-    ray.get([a.setup.remote() for a in actors])
+    transports = ray.get([a.setup.remote() for a in actors])
     start = time.monotonic() + 0.5
     until = start + warmup_s + duration_s
     lo, hi = start + warmup_s, until
@@ -325,6 +333,7 @@ def _phase(ray, server, monitor: GpuMonitor | None, trace_path: str | None, name
     after = ray.get(server.stats.remote())["buckets"]
     samples = monitor.stop() if monitor is not None else []
     ray.get([server.release.remote(f"{name}-{i}") for i in range(clients)])
+    ray.get([a.close.remote() for a in actors])
     for actor in actors:
         ray.kill(actor)
     in_window = [(s, r, n) for log in logs for (s, r, n) in log if lo <= r <= hi]
@@ -340,7 +349,8 @@ def _phase(ray, server, monitor: GpuMonitor | None, trace_path: str | None, name
             delta["mean_wait_ms"] = round(1e3 * delta["wait_s"] / max(1, delta["requests"]), 4)
             buckets[key] = {f: (round(v, 4) if isinstance(v, float) else v) for f, v in delta.items()}
     out: dict[str, Any] = {
-        "clients": clients, "rows_per_request": rows, "window_s": round(hi - lo, 2), "requests": len(in_window),
+        "clients": clients, "rows_per_request": rows, "transport": sorted(set(transports)),
+        "window_s": round(hi - lo, 2), "requests": len(in_window),
         "evals": evals, "evals_per_s": round(evals / (hi - lo), 1),
         "latency_ms_p50": round(float(np.percentile(latencies, 50)), 3) if len(latencies) else None,
         "latency_ms_p99": round(float(np.percentile(latencies, 99)), 3) if len(latencies) else None,
@@ -358,21 +368,23 @@ def _phase(ray, server, monitor: GpuMonitor | None, trace_path: str | None, name
             json.dump(trace, f)
         out["trace"] = {"path": trace_path, "events": len(trace["traceEvents"]), "window": "last 1 s"}
     gpu = out.get("gpu", {})
-    print(f"  served {clients} clients x {rows} rows: {out['evals_per_s'] / 1e6:.3f} M evals/s, "
+    print(f"  served {clients} clients x {rows} rows ({'/'.join(out['transport'])}): "
+          f"{out['evals_per_s'] / 1e6:.3f} M evals/s, "
           f"p50 {out['latency_ms_p50']} ms, p99 {out['latency_ms_p99']} ms, GPU util {gpu.get('util_mean')} % "
           f"(p10 {gpu.get('util_p10')}), {gpu.get('uj_per_eval')} uJ/eval", flush=True)
     return out
 
 
 def _served(quick: bool, monitor: GpuMonitor | None, trace_path: str | None, clients: int,
-            phases: list[tuple[int, float, float]]) -> dict[str, Any]:
-    """The actor in Ray with `clients` client actors; phases of (rows per request, window s, warm-up s)."""
+            phases: list[tuple[int, float, float, str]]) -> dict[str, Any]:
+    """The actor in Ray with `clients` client actors; phases of (rows per request, window s, warm-up s,
+    transport)."""
     import ray
 
     from rayzero.config import InferenceConfig, ModelConfig
     from rayzero.inference import InferenceServer
 
-    max_rows = max(rows for rows, _, _ in phases)
+    max_rows = max(rows for rows, _, _, _ in phases)
     if quick:
         model_cfg = ModelConfig(kind="resnet", channels=16, reduced_channels=4, head_hidden=16, support_size=20)
         obs_shape, num_actions = (12, 32, 32), 6
@@ -394,9 +406,9 @@ def _served(quick: bool, monitor: GpuMonitor | None, trace_path: str | None, cli
             "bf16": cfg.bf16, "channels_last": cfg.channels_last, "switch_interval_us": cfg.switch_interval_us},
             "phases": []}
         obs = np.random.default_rng(0).integers(0, 256, size=(max_rows, *obs_shape), dtype=np.uint8)
-        for i, (rows, duration_s, warmup_s) in enumerate(phases):
+        for i, (rows, duration_s, warmup_s, transport) in enumerate(phases):
             out["phases"].append(_phase(ray, server, monitor, trace_path if i == 0 else None, f"p{i}", clients,
-                                        rows, obs, num_actions, duration_s, warmup_s))
+                                        rows, obs, num_actions, duration_s, warmup_s, transport))
         out["server_errors"] = ray.get(server.stats.remote())["errors"]
     finally:
         ray.shutdown()
@@ -547,8 +559,10 @@ def main(quick: bool = False, json_path: str | None = None, trace_path: str | No
             gc.collect()
             torch.cuda.empty_cache()
         if quick:
-            return _served(True, None, trace_path, clients=4, phases=[(64, 2.0, 1.0), (128, 2.0, 1.0)])
-        return _served(False, monitor, trace_path, clients=16, phases=[(1024, 10.0, 2.0), (2048, 10.0, 2.0)])
+            return _served(True, None, trace_path, clients=4,
+                           phases=[(64, 2.0, 1.0, "channel"), (128, 2.0, 1.0, "channel"), (128, 2.0, 1.0, "ray")])
+        return _served(False, monitor, trace_path, clients=16,
+                       phases=[(1024, 8.0, 2.0, "channel"), (2048, 8.0, 2.0, "channel"), (2048, 6.0, 2.0, "ray")])
 
     section("precision", precision)
     section("conv", conv)
@@ -607,7 +621,7 @@ def _bars(results: dict[str, Any]) -> dict[str, Any]:
             continue
         ratio = phase["evals_per_s"] / rec[4096]["graph_evals_per_s"]
         util = phase.get("gpu", {}).get("util_mean")
-        bars[f"served_{phase['clients']}x{phase['rows_per_request']}"] = {
+        bars[f"served_{phase['clients']}x{phase['rows_per_request']}_{'_'.join(phase.get('transport', ['ray']))}"] = {
             "ratio_vs_replay_4096": round(ratio, 3), "ratio_bar": 0.7, "gpu_util_mean": util, "util_bar": 90,
             "holds": ratio >= 0.7 and util is not None and util >= 90}
     return bars

@@ -7,6 +7,10 @@ Three request kinds, all async methods (the class runs as a Ray async actor, or 
   search(client, obs [B, *obs], invalid_actions [B, A] | None, **search overrides)
       -> action [B], action_weights [B, A], visit_counts [B, A], root_value [B], version
 
+Clients on the actor's node can send initial and recurrent requests through a shared-memory channel instead
+(`open_channel`; channel.py has the layout and `InferenceClient`): a poller thread hands them to the same
+queues, so they are batched with Ray calls and validated the same way.
+
 This module owns the request side: validation (a bad request fails alone, with an InferenceError), the
 queues, the batcher, the latent-pool bookkeeping (pool.py), the evaluation cache (cache.py), weights,
 metrics and the trace. The device side (CUDA graphs per bucket, pinned double-buffered copies on their own
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from rayzero.config import InferenceConfig, ModelConfig
+from rayzero.inference import channel as channels
 from rayzero.inference.cache import EvalCache, row_key
 from rayzero.inference.errors import InferenceError
 from rayzero.inference.pool import LatentPool
@@ -125,6 +130,8 @@ class InferenceServer:
         self.requests = 0
         self._t0 = time.perf_counter()
         self._trace: list[dict[str, Any]] | None = None
+        self._poller: channels.Poller | None = None
+        self._channel_loop: asyncio.AbstractEventLoop | None = None
 
     # -- public API (async actor methods) -------------------------------------------------------------
 
@@ -166,6 +173,62 @@ class InferenceServer:
                     "visit_counts": np.zeros((0, self.num_actions), np.int64), "root_value": np.zeros(0, np.float32),
                     "version": self.version}
         return await self._submit(("search", config), client, (obs, mask), len(obs))
+
+    async def open_channel(self, client: str, max_rows: int, obs_rows: int = 0,
+                           node_id: str | None = None) -> dict[str, Any] | None:
+        """A shared-memory channel for `client` (replacing its previous one): recurrent requests of up to max_rows
+        rows and initial requests of up to obs_rows observations. Returns {'paths': {tag: path}} for
+        `channel.InferenceClient`, or None when the client must use Ray calls: channels off, `node_id` (the
+        client's Ray node) not this actor's node, stores not ordered on this machine, or no room in /dev/shm."""
+        for name, value, low in (("max_rows", max_rows, 1), ("obs_rows", obs_rows, 0)):
+            if not isinstance(value, (int, np.integer)) or not low <= value <= 1 << 20:
+                self.errors += 1
+                raise InferenceError(f"open_channel: {name}={value!r} must be an integer in [{low}, {1 << 20}]")
+        if not self.cfg.channels or not channels.ORDERED_STORES or node_id != self._node_id():
+            return None
+        made = channels.create(client, int(max_rows), int(obs_rows), self.obs_shape, self.obs_dtype, self.num_actions)
+        if made is None:
+            return None
+        channel, paths = made
+        if self._poller is None:
+            self._channel_loop = asyncio.get_running_loop()
+            self._poller = channels.Poller(self._on_channel_request, self.cfg.latent_timeout_s)
+        self._poller.add(channel)
+        return {"paths": paths}
+
+    async def close_channel(self, client: str) -> bool:
+        """Close `client`'s channel (its latent slots stay until `release`)."""
+        return self._poller is not None and self._poller.remove(client)
+
+    @staticmethod
+    def _node_id() -> str | None:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def _on_channel_request(self, channel: channels.ServerChannel, seq: int) -> None:
+        """Poller thread: a channel has a new request; serve it on the event loop."""
+        self._channel_loop.call_soon_threadsafe(self._serve_channel, channel, seq)
+
+    def _serve_channel(self, channel: channels.ServerChannel, seq: int) -> None:
+        kind, rows, payload = channel.request()
+        if kind == channels.RECURRENT:
+            coro = self.recurrent(channel.client, *payload)
+        elif kind == channels.INITIAL and payload is not None:
+            coro = self.initial(channel.client, payload)
+        else:
+            self.errors += 1
+            channel.fail(seq, InferenceError(f"channel: unknown request kind {kind} (or no obs buffer)"))
+            return
+
+        def answer(task: asyncio.Task) -> None:
+            error = InferenceError("request cancelled") if task.cancelled() else task.exception()
+            if error is not None:
+                channel.fail(seq, error)
+            else:
+                channel.reply(seq, task.result())
+
+        self._channel_loop.create_task(coro).add_done_callback(answer)
 
     async def release(self, client: str) -> int:
         """Free every latent slot of `client` (call when its search ends); returns how many."""

@@ -66,17 +66,19 @@ def _close(fds: list[int]) -> None:
 
 
 def create(owner: object, specs: dict[str, tuple[tuple[int, ...], np.dtype]],
-           directory: Path = SHM_DIR) -> tuple[dict[str, np.ndarray], dict[str, str]] | None:
-    """Zeroed shared arrays {tag: (shape, dtype)} owned by `owner`, and the paths other processes of this node
-    open them by; None if /dev/shm cannot hold them (the caller then keeps private arrays)."""
+           directory: Path = SHM_DIR, what: str = "replay.shared_obs",
+           ) -> tuple[dict[str, np.ndarray], dict[str, str]] | None:
+    """Zeroed shared arrays {tag: (shape, dtype)} owned by `owner` (their descriptors close with it), and the
+    paths other processes of this node open them by; None if /dev/shm cannot hold them (the caller then keeps
+    private arrays). `what` names the feature in warnings."""
     if not directory.is_dir():
         return None
     remove_stale(directory)
     need = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs.values())
     free = shutil.disk_usage(directory).free
     if need > 0.9 * free:
-        warnings.warn(f"replay.shared_obs: {directory} has {free / 2**30:.1f} GiB free, {need / 2**30:.1f} GiB "
-                      "are needed; observations stay in the replay actor's private memory", stacklevel=2)
+        warnings.warn(f"{what}: {directory} has {free / 2**30:.1f} GiB free, {need / 2**30:.1f} GiB "
+                      "are needed; falling back to private memory", stacklevel=2)
         return None
     token = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     names: list[str] = []
@@ -92,8 +94,8 @@ def create(owner: object, specs: dict[str, tuple[tuple[int, ...], np.dtype]],
             paths[tag] = f"/proc/{os.getpid()}/fd/{fds[-1]}"
     except OSError as error:
         _close(fds)
-        warnings.warn(f"replay.shared_obs: could not create shared arrays in {directory} ({error}); "
-                      "observations stay in private memory", stacklevel=2)
+        warnings.warn(f"{what}: could not create shared arrays in {directory} ({error}); "
+                      "falling back to private memory", stacklevel=2)
         return None
     finally:
         _unlink(names)

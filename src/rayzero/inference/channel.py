@@ -1,0 +1,259 @@
+"""Shared-memory request channels between the inference actor and clients on its node.
+
+A Ray actor call costs the actor a task: a gRPC message, deserialisation, a coroutine, a serialised answer (into
+the object store when it is over 100 KB). At thousands of requests per second that host work, not the GPU, bounds
+the actor (docs/benchmarks.md). A client on the actor's node can instead open a channel: a few arrays in /dev/shm
+that both processes map (replay/shared.py makes them; the memory goes back when both are gone, however they end).
+
+Layout of one channel (R = max_rows, O = obs_rows, A = actions):
+  header int64 [8]: request sequence, answered sequence, kind, rows, store flag, status, version, closed flag
+  handles, actions int64 [R]; obs [O, *obs_shape] (initial requests; O may be 0)
+  out float32 [R, 2 + A] (value, reward, policy logits); out_handles int64 [R]; error uint8 [ERROR_BYTES]
+
+Protocol (one request in flight per channel): the client writes the payload, then kind/rows/store, then bumps
+the request sequence; the actor's poller thread sees the new sequence and hands the request (views of the
+channel) to the same queues, batcher and validation as Ray calls; the answer is written into the channel, then
+the answered sequence is set. Only the sequence numbers order the two sides, which relies on stores becoming
+visible in program order (x86-64); elsewhere clients use Ray calls.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from typing import Any
+from collections.abc import Callable
+
+import numpy as np
+
+from rayzero.inference.errors import InferenceError
+from rayzero.replay import shared
+
+HEADER = 8
+REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED = range(HEADER)
+INITIAL, RECURRENT = 1, 2
+ERROR_BYTES = 1024
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def specs(max_rows: int, obs_rows: int, obs_shape: tuple[int, ...], obs_dtype: np.dtype,
+          num_actions: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    out = {"header": ((HEADER,), np.dtype(np.int64)), "handles": ((max_rows,), np.dtype(np.int64)),
+           "actions": ((max_rows,), np.dtype(np.int64)), "out": ((max_rows, 2 + num_actions), np.dtype(np.float32)),
+           "out_handles": ((max_rows,), np.dtype(np.int64)), "error": ((ERROR_BYTES,), np.dtype(np.uint8))}
+    if obs_rows:
+        out["obs"] = ((obs_rows, *obs_shape), np.dtype(obs_dtype))
+    return out
+
+
+class ServerChannel:
+    """The actor's side of one client's channel."""
+
+    def __init__(self, client: str, arrays: dict[str, np.ndarray], owner: object = None):
+        self.client = client
+        self.arrays = arrays
+        self.owner = owner  # the shared arrays' descriptors close when it goes
+        self.header = arrays["header"]
+        self.seen = int(self.header[REQ])
+        self.last_active = time.monotonic()
+
+    def request(self) -> tuple[int, int, Any]:
+        """(kind, rows, payload) of the request just seen; the payload views the channel."""
+        h, a = self.header, self.arrays
+        kind, rows = int(h[KIND]), int(h[ROWS])
+        if kind == RECURRENT:
+            return kind, rows, (a["handles"][:rows], a["actions"][:rows], bool(h[STORE]))
+        if kind == INITIAL and "obs" in a:
+            return kind, rows, a["obs"][:rows]
+        return kind, rows, None
+
+    def reply(self, seq: int, answer: dict[str, Any]) -> None:
+        n = len(answer["value"])
+        out = self.arrays["out"]
+        out[:n, 0] = answer["value"]
+        out[:n, 1] = answer["reward"]
+        out[:n, 2:] = answer["policy_logits"]
+        self.arrays["out_handles"][:n] = answer["handles"]
+        self.header[VERSION] = answer["version"]
+        self.header[STATUS] = 0
+        self.header[DONE] = seq
+
+    def fail(self, seq: int, error: BaseException) -> None:
+        text = (str(error) or type(error).__name__).encode()[:ERROR_BYTES]
+        buffer = self.arrays["error"]
+        buffer[:] = 0
+        buffer[:len(text)] = np.frombuffer(text, np.uint8)
+        self.header[STATUS] = 1
+        self.header[DONE] = seq
+
+    def close(self) -> None:
+        self.header[CLOSED] = 1
+
+
+class Poller:
+    """A thread that watches every open channel and hands new requests to `on_request(channel, seq)` (called
+    on this thread; the server forwards them to its event loop). Channels idle longer than `idle_timeout_s`
+    (if > 0) are closed: a client that comes back opens a new one."""
+
+    def __init__(self, on_request: Callable[[ServerChannel, int], None], idle_timeout_s: float = 0.0,
+                 sleep_s: float = 20e-6):
+        self.on_request = on_request
+        self.idle_timeout_s = idle_timeout_s
+        self.sleep_s = sleep_s
+        self.channels: dict[str, ServerChannel] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inference-channels", daemon=True)
+        self._thread.start()
+
+    def add(self, channel: ServerChannel) -> None:
+        with self._lock:
+            old = self.channels.pop(channel.client, None)
+            if old is not None:
+                old.close()
+            self.channels[channel.client] = channel
+
+    def remove(self, client: str) -> bool:
+        with self._lock:
+            channel = self.channels.pop(client, None)
+        if channel is not None:
+            channel.close()
+        return channel is not None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        last_sweep = time.monotonic()
+        while not self._stop.is_set():
+            with self._lock:
+                channels = list(self.channels.values())
+            busy = False
+            for channel in channels:
+                seq = int(channel.header[REQ])
+                if seq != channel.seen:
+                    channel.seen = seq
+                    channel.last_active = time.monotonic()
+                    busy = True
+                    self.on_request(channel, seq)
+            now = time.monotonic()
+            if self.idle_timeout_s > 0 and now - last_sweep > 1.0:
+                last_sweep = now
+                for channel in channels:
+                    if now - channel.last_active > self.idle_timeout_s and channel.seen == int(channel.header[DONE]):
+                        self.remove(channel.client)
+            if not busy:
+                time.sleep(self.sleep_s)
+
+
+class InferenceClient:
+    """A client of the inference actor: `initial` and `recurrent` as the actor's methods, through a shared-memory
+    channel when the client runs on the actor's node (else, and for requests larger than the channel, or with
+    arrays of another dtype than the channel's, through Ray calls that validate them).
+
+    server: the actor handle; client_id: the client's name for latent slots; max_rows / obs_rows: the largest
+    recurrent / initial request the channel carries; channel=False: Ray calls only.
+    """
+
+    def __init__(self, server: Any, client_id: str, max_rows: int, obs_rows: int = 0, channel: bool = True,
+                 timeout_s: float = 300.0):
+        self.server = server
+        self.client_id = client_id
+        self.max_rows, self.obs_rows = int(max_rows), int(obs_rows)
+        self.timeout_s = timeout_s
+        self.arrays: dict[str, np.ndarray] | None = None
+        if channel and ORDERED_STORES:
+            self._open()
+
+    @property
+    def transport(self) -> str:
+        return "channel" if self.arrays is not None else "ray"
+
+    def _open(self) -> None:
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        info = ray.get(self.server.open_channel.remote(self.client_id, self.max_rows, self.obs_rows, here))
+        if info is None:  # another node, channels off, or no room in /dev/shm
+            self.arrays = None
+            return
+        self.arrays = {tag: np.load(path, mmap_mode="r+") for tag, path in info["paths"].items()}
+
+    def close(self) -> None:
+        import ray
+
+        if self.arrays is not None:
+            self.arrays = None
+            ray.get(self.server.close_channel.remote(self.client_id))
+
+    # -- requests ------------------------------------------------------------------------------------------
+
+    def initial(self, obs: np.ndarray) -> dict[str, Any]:
+        obs = np.asarray(obs)
+        a = self.arrays
+        if a is None or "obs" not in a or obs.ndim != a["obs"].ndim or obs.shape[1:] != a["obs"].shape[1:] \
+                or obs.dtype != a["obs"].dtype or not 0 < len(obs) <= self.obs_rows:
+            import ray
+
+            return ray.get(self.server.initial.remote(self.client_id, obs))
+        a["obs"][:len(obs)] = obs
+        return self._request(INITIAL, len(obs), False, lambda: self.initial(obs))
+
+    def recurrent(self, handles: np.ndarray, actions: np.ndarray, store: bool = True) -> dict[str, Any]:
+        handles, actions = np.asarray(handles), np.asarray(actions)
+        a = self.arrays
+        if a is None or handles.ndim != 1 or actions.shape != handles.shape or handles.dtype.kind not in "iu" \
+                or actions.dtype.kind not in "iu" or not 0 < len(handles) <= self.max_rows:
+            import ray
+
+            return ray.get(self.server.recurrent.remote(self.client_id, handles, actions, store))
+        n = len(handles)
+        a["handles"][:n] = handles
+        a["actions"][:n] = actions
+        return self._request(RECURRENT, n, store, lambda: self.recurrent(handles, actions, store))
+
+    def _request(self, kind: int, rows: int, store: bool, again: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        a = self.arrays
+        h = a["header"]
+        if h[CLOSED]:  # the actor dropped this channel (idle too long): open a new one and send again
+            self._open()
+            return again()
+        h[KIND], h[ROWS], h[STORE] = kind, rows, int(store)
+        seq = int(h[REQ]) + 1
+        h[REQ] = seq
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while h[DONE] != seq:
+            spins += 1
+            if spins > 100:
+                time.sleep(20e-6)
+                if spins % 1000 == 0:
+                    if h[CLOSED]:
+                        self._open()
+                        return again()
+                    if time.monotonic() > deadline:
+                        raise InferenceError(f"{self.client_id}: no answer from the inference actor through its "
+                                             f"channel within {self.timeout_s:.0f} s")
+        if h[STATUS]:
+            raise InferenceError(bytes(a["error"]).rstrip(b"\0").decode(errors="replace"))
+        out = a["out"]
+        return {"handles": a["out_handles"][:rows].copy(), "value": out[:rows, 0].copy(),
+                "reward": out[:rows, 1].copy(), "policy_logits": out[:rows, 2:].copy(), "version": int(h[VERSION])}
+
+
+def create(client: str, max_rows: int, obs_rows: int, obs_shape: tuple[int, ...],
+           obs_dtype: np.dtype, num_actions: int) -> tuple[ServerChannel, dict[str, str]] | None:
+    """A new channel in /dev/shm (None if there is no room); the paths the client maps it by."""
+    owner = _Owner()
+    made = shared.create(owner, specs(max_rows, obs_rows, obs_shape, obs_dtype, num_actions),
+                         what="inference channels")
+    if made is None:
+        return None
+    arrays, paths = made
+    return ServerChannel(client, arrays, owner), paths
+
+
+class _Owner:
+    """Holds a channel's shared-memory descriptors open (see replay/shared.create)."""

@@ -1,0 +1,81 @@
+"""Shared-memory channels to the inference actor (real Ray actor, CPU): answers equal Ray calls; bad requests fail
+alone with the actor's error; oversized requests, other nodes and closed channels fall back or reopen."""
+
+import numpy as np
+import pytest
+import ray
+
+from rayzero.config import InferenceConfig, ModelConfig
+from rayzero.inference import InferenceError, InferenceServer
+from rayzero.inference.channel import InferenceClient
+
+MODEL = ModelConfig(kind="mlp", latent_dim=8, hidden=16, support_size=5)
+
+
+@pytest.fixture(scope="module")
+def actor():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
+    server = ray.remote(InferenceServer).options(max_concurrency=100).remote(MODEL, cfg, (4,), 3, 0)
+    ray.get(server.get_version.remote())
+    yield server
+    ray.shutdown()
+
+
+def test_channel_answers_equal_ray_calls(actor):
+    client = InferenceClient(actor, "chan", max_rows=16, obs_rows=8)
+    assert client.transport == "channel"
+    obs = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    root = client.initial(obs)
+    direct = ray.get(actor.initial.remote("direct", obs))
+    for key in ("value", "reward", "policy_logits"):
+        np.testing.assert_allclose(root[key], direct[key], rtol=1e-5, atol=1e-6)
+    actions = np.array([0, 1, 2, 0, 1, 2])
+    step = client.recurrent(root["handles"], actions)
+    direct_step = ray.get(actor.recurrent.remote("direct", direct["handles"], actions))
+    for key in ("value", "reward", "policy_logits"):
+        np.testing.assert_allclose(step[key], direct_step[key], rtol=1e-5, atol=1e-6)
+    assert step["version"] == direct_step["version"] == 0
+    # Two steps deep through the channel, from the handles it returned.
+    deeper = client.recurrent(step["handles"], actions[::-1].copy())
+    assert deeper["policy_logits"].shape == (6, 3) and np.isfinite(deeper["value"]).all()
+    assert ray.get(actor.release.remote("chan")) == 18  # three requests of 6 rows
+    ray.get(actor.release.remote("direct"))
+    client.close()
+
+
+def test_bad_channel_requests_fail_alone_and_the_channel_keeps_serving(actor):
+    client = InferenceClient(actor, "bad", max_rows=8, obs_rows=4)
+    root = client.initial(np.zeros((2, 4), np.float32))
+    with pytest.raises(InferenceError, match=r"actions must be in \[0, 3\)"):
+        client.recurrent(root["handles"], np.array([0, 7]))
+    with pytest.raises(InferenceError, match="unknown latent handles"):
+        client.recurrent(np.array([60000, 60001]), np.array([0, 1]))
+    with pytest.raises(InferenceError, match="NaN"):
+        client.initial(np.full((1, 4), np.nan, np.float32))
+    with pytest.raises(InferenceError, match="obs shape"):  # wrong shape: sent as a Ray call, validated there
+        client.initial(np.zeros((1, 5), np.float32))
+    ok = client.recurrent(root["handles"], np.array([1, 2]))
+    assert np.isfinite(ok["value"]).all()
+    ray.get(actor.release.remote("bad"))
+    client.close()
+
+
+def test_oversized_requests_fall_back_and_a_closed_channel_reopens(actor):
+    client = InferenceClient(actor, "big", max_rows=2, obs_rows=2)
+    root = client.initial(np.ones((5, 4), np.float32))  # more rows than the channel holds: a Ray call
+    step = client.recurrent(root["handles"], np.zeros(5, np.int64))
+    assert step["value"].shape == (5,)
+    assert ray.get(actor.close_channel.remote("big"))
+    again = client.recurrent(root["handles"][:2], np.ones(2, np.int64))  # the client opens a new channel
+    assert client.transport == "channel" and again["value"].shape == (2,)
+    ray.get(actor.release.remote("big"))
+    client.close()
+
+
+def test_open_channel_checks_its_arguments_and_other_nodes_get_none(actor):
+    with pytest.raises(InferenceError, match="max_rows=0"):
+        ray.get(actor.open_channel.remote("x", 0))
+    assert ray.get(actor.open_channel.remote("x", 4, 0, "another-node")) is None
+    errors_before = ray.get(actor.stats.remote())["errors"]
+    assert errors_before >= 1
