@@ -168,7 +168,8 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     alternatives: also the other memory layout and an eager bare row at the largest batch (GPU).
     overlap: start the multi-GPU group (ranks on 0.6 of a GPU each) together with the one-GPU learners (0.4),
     so all compile at once; each is then measured while the others idle (one batch size, 2 GPUs).
-    grad_syncs: the multi-GPU groups' learner.grad_sync variants (with overlap: one group each, started together).
+    grad_syncs: the multi-GPU groups' learner.grad_sync variants (with overlap the first starts with the one-GPU
+    learners, the others after them).
     """
     began = time.perf_counter()
     replay_cfg = ReplayConfig(capacity=sizes.capacity, unroll_steps=5, td_steps=5, min_size=0, shared_obs=True)
@@ -203,11 +204,10 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
                      Variant(top, compile=False, bare_only=True)]
     overlapped: list[tuple[int, Variant, Any]] = []
     if overlap and gpu and total_gpus == 2 and 2 in worlds and len(sizes.batches) == 1:
+        # (Only the first grad_sync variant: ranks of two groups at 0.3 each could land on one GPU.)
         share = 0.4
-        for sync in grad_syncs:
-            v = Variant(sizes.batches[0], compile_mode=compile_mode, grad_sync=sync)
-            overlapped.append((2, v, _start(sizes, 2, v, gpu, 0.6 / len(grad_syncs))))
-        worlds = [w for w in worlds if w != 2]
+        v = Variant(sizes.batches[0], compile_mode=compile_mode, grad_sync=grad_syncs[0])
+        overlapped.append((2, v, _start(sizes, 2, v, gpu, 0.6)))
     else:
         share = 1.0 / -(-len(variants) // max(1, total_gpus)) if gpu else 0.0
     learners = {v: _start(sizes, 1, v, gpu, share) for v in variants}
@@ -250,7 +250,9 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
                     and "loop_samples_per_second" in r]
         if top_rows:
             nhwc = max(top_rows, key=lambda r: r["loop_samples_per_second"])["variant"].endswith("nhwc")
-    for world, b, sync in [(w, b, g) for w in worlds[1:] for b in sizes.batches for g in grad_syncs]:
+    done = {(world, v.batch, v.grad_sync) for world, v, _ in overlapped}
+    for world, b, sync in [(w, b, g) for w in worlds[1:] for b in sizes.batches for g in grad_syncs
+                           if (w, b, g) not in done]:
         v = Variant(b, channels_last=nhwc, compile_mode=compile_mode, grad_sync=sync)
         if over_budget(f"{world} x batch {b} {sync}"):
             continue
