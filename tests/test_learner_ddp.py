@@ -62,17 +62,18 @@ def group(ray_session):
 
 
 def test_two_ranks_match_one_rank_on_the_combined_batch(group):
+    assert LEARNER.grad_sync == "flat"  # the default: one all-reduce of the packed gradients
     check_matches_one_rank(group, LEARNER)
 
 
-def test_flat_all_reduce_matches_one_rank_on_the_combined_batch(ray_session):
-    cfg = dataclasses.replace(LEARNER, grad_sync="flat")
-    flat = start_group(cfg)
+def test_ddp_ranks_match_one_rank_on_the_combined_batch(ray_session):
+    cfg = dataclasses.replace(LEARNER, grad_sync="ddp")
+    ddp = start_group(cfg)
     try:
-        check_matches_one_rank(flat, cfg)
+        check_matches_one_rank(ddp, cfg)
     finally:
-        ray.get(flat.close.remote())
-        ray.kill(flat)
+        ray.get(ddp.close.remote())
+        ray.kill(ddp)
 
 
 def check_matches_one_rank(group, learner_cfg):

@@ -252,13 +252,14 @@ class LearnerConfig:
     t+k (0 = off). Needs replay.next_obs=true."""
     consistency_dim: int = 256
     """Width of the consistency projection (and of its prediction head's hidden layer)."""
-    grad_sync: str = "ddp"
-    """How the ranks of a learner group average gradients. 'ddp': torch's DistributedDataParallel (buckets
-    all-reduced as gradients become ready; gradients kept as views of the buckets; BatchNorm statistics stay
-    per rank, rank 0's are published). 'flat': after the backward, every gradient packed into one buffer and
-    all-reduced at once. A compiled backward hands all gradients over together, so DDP cannot overlap its
-    all-reduce with the backward and its per-parameter bucket copies are extra kernels; 'flat' launches a
-    handful. Both give the same parameters (tests/test_learner.py)."""
+    grad_sync: str = "flat"
+    """How the ranks of a learner group average gradients (both over torch.distributed, NCCL or gloo).
+    'flat': after the backward, every gradient packed into one buffer and all-reduced at once. 'ddp': torch's
+    DistributedDataParallel (buckets all-reduced as gradients become ready, gradients kept as views of the
+    buckets). A compiled backward hands all gradients over together, so DDP cannot overlap its all-reduce with
+    the backward and its per-parameter bucket copies are extra kernels: on 2 H200s 'flat' scaled 1.82x, 'ddp'
+    1.80x (docs/benchmarks.md). Either way BatchNorm statistics stay per rank (rank 0's are published) and the
+    parameters equal one rank's on the combined batch (tests/test_learner_ddp.py)."""
 
     def __post_init__(self) -> None:
         _check("learner", self, [
