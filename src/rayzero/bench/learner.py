@@ -84,7 +84,7 @@ class SyntheticReplay(ReplayBuffer):
 def _learner_cfg(batch: int, gpu: bool, v: Variant) -> LearnerConfig:
     return LearnerConfig(batch_size=batch, lr=1e-3, lr_warmup_steps=100, device="cuda" if gpu else "cpu",
                          compile=v.compile, compile_mode=v.compile_mode, channels_last=v.channels_last,
-                         steps_per_call=50, grad_sync=v.grad_sync)
+                         steps_per_call=50, grad_sync=v.grad_sync, prefetch=v.prefetch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +95,7 @@ class Variant:
     compile_mode: str = LearnerConfig.compile_mode
     bare_only: bool = False
     grad_sync: str = LearnerConfig.grad_sync  # of groups (learner.grad_sync)
+    prefetch: int = LearnerConfig.prefetch
 
     def label(self) -> str:
         parts = []
@@ -133,7 +134,8 @@ def _bare(sizes: Sizes, learner: Any, replay: Any, batch: int, steps: int) -> di
 
 def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) -> dict[str, Any]:
     row: dict[str, Any] = {"gpus": world, "batch_per_gpu": v.batch, "global_batch": v.batch * world,
-                           "variant": v.label(), **({"grad_sync": v.grad_sync} if world > 1 else {})}
+                           "variant": v.label(), "prefetch": v.prefetch,
+                           **({"grad_sync": v.grad_sync} if world > 1 else {})}
     if not v.bare_only:
         steps = sizes.steps_per_call
         # Untimed calls first, so a device observation cache (learner.obs_cache) holds most of the replay, as
@@ -162,14 +164,15 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) ->
 def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
         compile_mode: str = LearnerConfig.compile_mode,
         alternatives: bool = True, overlap: bool = False,
-        grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,)) -> dict[str, Any]:
+        grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,),
+        prefetches: tuple[int, ...] = (LearnerConfig.prefetch,)) -> dict[str, Any]:
     """All rows; `progress(partial results)` after each one (a run cut off still leaves its figures).
 
     alternatives: also the other memory layout and an eager bare row at the largest batch (GPU).
     overlap: start the multi-GPU group (ranks on 0.6 of a GPU each) together with the one-GPU learners (0.4),
     so all compile at once; each is then measured while the others idle (one batch size, 2 GPUs).
-    grad_syncs: the multi-GPU groups' learner.grad_sync variants (with overlap the first starts with the one-GPU
-    learners, the others after them).
+    grad_syncs x prefetches: the multi-GPU groups' learner.grad_sync and learner.prefetch variants (with overlap
+    the first starts with the one-GPU learners, the others after them; one-GPU rows for each prefetch).
     """
     began = time.perf_counter()
     replay_cfg = ReplayConfig(capacity=sizes.capacity, unroll_steps=5, td_steps=5, min_size=0, shared_obs=True)
@@ -197,7 +200,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
 
     # One GPU each: every variant's learner starts at once (sharing GPUs while they compile, which is CPU work);
     # they are then measured one at a time while the others idle.
-    variants = [Variant(b, compile_mode=compile_mode) for b in sizes.batches]
+    variants = [Variant(b, compile_mode=compile_mode, prefetch=p) for b in sizes.batches for p in prefetches]
     if gpu and alternatives:
         top = max(sizes.batches)
         variants += [Variant(top, channels_last=True, compile_mode=compile_mode),
@@ -206,7 +209,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     if overlap and gpu and total_gpus == 2 and 2 in worlds and len(sizes.batches) == 1:
         # (Only the first grad_sync variant: ranks of two groups at 0.3 each could land on one GPU.)
         share = 0.4
-        v = Variant(sizes.batches[0], compile_mode=compile_mode, grad_sync=grad_syncs[0])
+        v = Variant(sizes.batches[0], compile_mode=compile_mode, grad_sync=grad_syncs[0], prefetch=prefetches[0])
         overlapped.append((2, v, _start(sizes, 2, v, gpu, 0.6)))
     else:
         share = 1.0 / -(-len(variants) // max(1, total_gpus)) if gpu else 0.0
@@ -235,7 +238,8 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     for (world, v, group), ref in zip(overlapped, warm_groups):
         try:
             info = ray.get(ref)
-            print(f"{world} x {v.batch} {v.label()} {v.grad_sync}: warm at {time.perf_counter() - t0:.1f}s "
+            print(f"{world} x {v.batch} {v.label()} {v.grad_sync} prefetch {v.prefetch}: warm at "
+                  f"{time.perf_counter() - t0:.1f}s "
                   f"(compile {info['compile']})", flush=True)
             report(_measure(sizes, group, shards[:world], world, v))
         except Exception as error:  # noqa: BLE001 - reported
@@ -250,10 +254,10 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
                     and "loop_samples_per_second" in r]
         if top_rows:
             nhwc = max(top_rows, key=lambda r: r["loop_samples_per_second"])["variant"].endswith("nhwc")
-    done = {(world, v.batch, v.grad_sync) for world, v, _ in overlapped}
-    for world, b, sync in [(w, b, g) for w in worlds[1:] for b in sizes.batches for g in grad_syncs
-                           if (w, b, g) not in done]:
-        v = Variant(b, channels_last=nhwc, compile_mode=compile_mode, grad_sync=sync)
+    done = {(world, v.batch, v.grad_sync, v.prefetch) for world, v, _ in overlapped}
+    for world, b, sync, depth in [(w, b, g, p) for w in worlds[1:] for b in sizes.batches for g in grad_syncs
+                                  for p in prefetches if (w, b, g, p) not in done]:
+        v = Variant(b, channels_last=nhwc, compile_mode=compile_mode, grad_sync=sync, prefetch=depth)
         if over_budget(f"{world} x batch {b} {sync}"):
             continue
         t0 = time.perf_counter()
@@ -274,11 +278,12 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     for row in rows:
         if row["gpus"] > 1 and "loop_samples_per_second" in row:
             one = next((r for r in rows if r["gpus"] == 1 and r["batch_per_gpu"] == row["batch_per_gpu"]
-                        and r["variant"] == row["variant"] and "loop_samples_per_second" in r), None)
+                        and r["variant"] == row["variant"] and r["prefetch"] == row["prefetch"]
+                        and "loop_samples_per_second" in r), None)
             if one:
                 scaling.append({
                     "gpus": row["gpus"], "batch_per_gpu": row["batch_per_gpu"], "variant": row["variant"],
-                    "grad_sync": row.get("grad_sync"),
+                    "grad_sync": row.get("grad_sync"), "prefetch": row["prefetch"],
                     "speedup": row["loop_samples_per_second"] / one["loop_samples_per_second"],
                     "efficiency": row["loop_samples_per_second"] / (row["gpus"] * one["loop_samples_per_second"]),
                     "bare_speedup": row["bare_samples_per_second"] / one["bare_samples_per_second"],
@@ -329,13 +334,14 @@ def _row_text(row: dict[str, Any]) -> str:
             f"({f('loop_steps_per_second', '{:.1f}')} steps/s, {f('loop_ms_per_step', '{:.1f}')} ms)  "
             f"bare {f('bare_samples_per_second'):>9} samples/s ({f('bare_ms_per_step', '{:.1f}')} ms)  "
             f"compile {row.get('compile')}  obs {row.get('obs_path', '-')}"
-            + (f"  grad_sync {row['grad_sync']}" if "grad_sync" in row else ""))
+            + (f"  grad_sync {row['grad_sync']}" if "grad_sync" in row else "") + f"  prefetch {row['prefetch']}")
 
 
 def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, ...] | None = None,
          compile_mode: str = LearnerConfig.compile_mode, alternatives: bool = True, overlap: bool = False,
          capacity: int | None = None, short: bool = False,
-         grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,)) -> dict[str, Any]:
+         grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,),
+         prefetches: tuple[int, ...] = (LearnerConfig.prefetch,)) -> dict[str, Any]:
     """The benchmark (see the module docstring); the keyword options narrow a run (e.g. one batch size,
     CUDA graphs, everything compiling at once) when device time is short."""
     sizes = QUICK if quick else FULL
@@ -363,7 +369,7 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
             write_json(json_path, "learner", {**header, **partial})
 
     try:
-        results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap, grad_syncs)
+        results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap, grad_syncs, prefetches)
         results["reanalyse"] = reanalyse_rates(sizes, gpu)
     finally:
         if started_here:
@@ -383,7 +389,8 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
     for row in results["rows"]:
         print("  " + _row_text(row))
     for s in results["scaling"]:
-        print(f"  scaling {s['gpus']} x {s['batch_per_gpu']} ({s['grad_sync']}): {s['speedup']:.2f}x loop "
+        print(f"  scaling {s['gpus']} x {s['batch_per_gpu']} ({s['grad_sync']}, prefetch {s['prefetch']}): "
+              f"{s['speedup']:.2f}x loop "
               f"(efficiency {s['efficiency']:.0%}), {s['bare_speedup']:.2f}x bare")
     if bars:
         print(f"  bars: {bars}")
@@ -402,7 +409,9 @@ if __name__ == "__main__":
     parser.add_argument("--short", action="store_true", help="2 timed calls and 20 bare steps per row")
     parser.add_argument("--grad-sync", default=LearnerConfig.grad_sync,
                         help="comma-separated learner.grad_sync variants of the multi-GPU rows (ddp, flat)")
+    parser.add_argument("--prefetch", default=str(LearnerConfig.prefetch),
+                        help="comma-separated learner.prefetch variants of the multi-GPU rows")
     args = parser.parse_args()
     main(args.quick, args.json, tuple(int(b) for b in args.batches.split(",") if b), args.compile_mode,
          not args.no_alternatives, args.overlap, args.capacity or None, args.short,
-         tuple(args.grad_sync.split(",")))
+         tuple(args.grad_sync.split(",")), tuple(int(p) for p in args.prefetch.split(",")))
