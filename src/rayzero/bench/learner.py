@@ -208,7 +208,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     overlapped: list[tuple[int, Variant, Any]] = []
     if overlap and gpu and total_gpus == 2 and 2 in worlds and len(sizes.batches) == 1:
         # (Only the first grad_sync variant: ranks of two groups at 0.3 each could land on one GPU.)
-        share = 0.4
+        share = 0.4 / len(variants)  # the one-GPU learners may all land on one GPU beside a group rank (0.6)
         v = Variant(sizes.batches[0], compile_mode=compile_mode, grad_sync=grad_syncs[0], prefetch=prefetches[0])
         overlapped.append((2, v, _start(sizes, 2, v, gpu, 0.6)))
     else:
@@ -230,7 +230,10 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             print(notes[-1], flush=True)
             learners.pop(v)
     if warm_groups:  # the overlapped group shares GPU 0: let its warm-up end before timing one GPU
-        ray.wait(warm_groups, num_returns=len(warm_groups), timeout=600)
+        ready, _ = ray.wait(warm_groups, num_returns=len(warm_groups), timeout=300)
+        if len(ready) < len(warm_groups):
+            notes.append("the overlapped group was not warm after 300 s (placement or compilation); timing anyway")
+            print(notes[-1], flush=True)
     for v, learner in learners.items():
         report(_measure(sizes, learner, replay, 1, v))
     for learner in learners.values():
