@@ -143,8 +143,10 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) ->
         for _ in range(SETTLE_CALLS):
             ray.get(learner.train.remote(replay, steps))
         start = time.perf_counter()
+        waits = np.zeros(world)
         for _ in range(sizes.timed_calls):
             result = ray.get(learner.train.remote(replay, steps))
+            waits += result.get("input_wait_s_per_rank", [result.get("input_wait_s", 0.0)])
             ray.get(learner.weights.remote())  # weight publication, as the driver does after every call
         elapsed = time.perf_counter() - start
         loop_steps = sizes.timed_calls * steps
@@ -152,6 +154,8 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) ->
             "loop_samples_per_second": loop_steps * v.batch * world / elapsed,
             "loop_steps_per_second": loop_steps / elapsed,
             "loop_ms_per_step": 1e3 * elapsed / loop_steps,
+            # Per rank: ms per step its training thread waited for a prepared batch.
+            "input_wait_ms_per_step": [round(float(1e3 * w / loop_steps), 3) for w in waits],
             "obs_path": result.get("obs_path"), "stale_samples": result.get("stale_samples", 0.0),
             "obs_cache_uploaded": result.get("obs_cache_uploaded"),
         })
@@ -337,7 +341,8 @@ def _row_text(row: dict[str, Any]) -> str:
             f"({f('loop_steps_per_second', '{:.1f}')} steps/s, {f('loop_ms_per_step', '{:.1f}')} ms)  "
             f"bare {f('bare_samples_per_second'):>9} samples/s ({f('bare_ms_per_step', '{:.1f}')} ms)  "
             f"compile {row.get('compile')}  obs {row.get('obs_path', '-')}"
-            + (f"  grad_sync {row['grad_sync']}" if "grad_sync" in row else "") + f"  prefetch {row['prefetch']}")
+            + (f"  grad_sync {row['grad_sync']}" if "grad_sync" in row else "") + f"  prefetch {row['prefetch']}"
+            + (f"  input wait {row['input_wait_ms_per_step']} ms/step" if "input_wait_ms_per_step" in row else ""))
 
 
 def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, ...] | None = None,

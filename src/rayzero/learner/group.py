@@ -258,8 +258,10 @@ class LearnerGroup:
         if not shards:
             raise ValueError("train: an empty list of replay shards")
         per_rank = [(shards[r % len(shards)], num_steps) for r in range(self.num_learners)]
-        result = self._all("train", per_rank)[0]
-        result.update(restarts=self.restarts, num_learners=self.num_learners)
+        results = self._all("train", per_rank)
+        result = results[0]
+        result.update(restarts=self.restarts, num_learners=self.num_learners,
+                      input_wait_s_per_rank=[r["input_wait_s"] for r in results])
         return result
 
     def train_on(self, per_rank_batches: list[list[Any]]) -> dict[str, Any]:

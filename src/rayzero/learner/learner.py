@@ -332,6 +332,7 @@ class Learner:
                 raise ValueError(f"train: a single learner samples one replay actor, got a list of {len(replay)}")
             replay = replay[0]
         start, samples_before = time.perf_counter(), self.samples
+        input_wait = 0.0
         if self._outbox is None:
             self._outbox = PriorityOutbox(self.device)
         if self.cfg.prefetch == 0:
@@ -349,10 +350,14 @@ class Learner:
                     self.cfg.obs_cache,
                 )
             for _ in range(num_steps):
+                waited = time.perf_counter()
                 item = prefetcher.get()
+                input_wait += time.perf_counter() - waited
                 priorities, _ = self._update(item.ready(), item.stale)
                 self._outbox.put(replay, item.indices, item.generations, priorities)
         result = self._result(num_steps, start, samples_before)
+        # Seconds the training thread waited for a prepared batch (the input pipeline falling behind).
+        result["input_wait_s"] = input_wait
         self._outbox.flush()
         prefetcher = self._prefetcher
         result["obs_path"] = "shared" if prefetcher is not None and not prefetcher.with_obs else "ray"
