@@ -79,3 +79,14 @@ def test_open_channel_checks_its_arguments_and_other_nodes_get_none(actor):
     assert ray.get(actor.open_channel.remote("x", 4, 0, "another-node")) is None
     errors_before = ray.get(actor.stats.remote())["errors"]
     assert errors_before >= 1
+
+
+def test_a_dead_actor_raises_instead_of_leaving_the_client_waiting(actor):
+    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4)
+    doomed = ray.remote(InferenceServer).options(max_concurrency=10, max_restarts=0).remote(MODEL, cfg, (4,), 3, 0)
+    client = InferenceClient(doomed, "orphan", max_rows=4, obs_rows=2)
+    root = client.initial(np.zeros((2, 4), np.float32))
+    assert client.transport == "channel"
+    ray.kill(doomed)
+    with pytest.raises(ray.exceptions.RayActorError):
+        client.recurrent(root["handles"], np.array([0, 1]))

@@ -223,7 +223,8 @@ class InferenceClient:
         h[KIND], h[ROWS], h[STORE] = kind, rows, int(store)
         seq = int(h[REQ]) + 1
         h[REQ] = seq
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        next_ping = start + 2.0
         spins = 0
         while h[DONE] != seq:
             spins += 1
@@ -233,9 +234,15 @@ class InferenceClient:
                     if h[CLOSED]:
                         self._open()
                         return again()
-                    if time.monotonic() > deadline:
+                    now = time.monotonic()
+                    if now > start + self.timeout_s:
                         raise InferenceError(f"{self.client_id}: no answer from the inference actor through its "
                                              f"channel within {self.timeout_s:.0f} s")
+                    if now > next_ping:  # a dead actor raises here (RayActorError), as a Ray call would
+                        import ray
+
+                        ray.get(self.server.get_version.remote(), timeout=60)
+                        next_ping = time.monotonic() + 2.0
         if h[STATUS]:
             raise InferenceError(bytes(a["error"]).rstrip(b"\0").decode(errors="replace"))
         out = a["out"]
