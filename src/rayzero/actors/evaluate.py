@@ -31,8 +31,9 @@ def play_episodes(
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
         for _ in range(max_steps):
-            root = evaluator.root(obs)
-            out = search(root, evaluator.recurrent_fn, config.num_simulations, config, generator=generator)
+            with torch.inference_mode():
+                root = evaluator.root(obs)
+                out = search(root, evaluator.recurrent_fn, config.num_simulations, config, generator=generator)
             evaluator.release()
             result = env.step(out.action.cpu().numpy())
             returns += np.where(done, 0.0, result.reward)
@@ -76,8 +77,9 @@ def record_gif(env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, pat
     frames = [env.render()]
     total = 0.0
     for _ in range(max_steps):
-        root = evaluator.root(np.asarray(obs)[None])
-        out = search(root, evaluator.recurrent_fn, config.num_simulations, config)
+        with torch.inference_mode():
+            root = evaluator.root(np.asarray(obs)[None])
+            out = search(root, evaluator.recurrent_fn, config.num_simulations, config)
         evaluator.release()
         obs, reward, terminated, truncated, _ = env.step(int(out.action[0]))
         total += float(reward)
