@@ -176,3 +176,26 @@ def test_reanalyse_worker_writes_the_latest_network_targets(ray_session, tmp_pat
         np.testing.assert_array_equal(after["policy"][alive][~changed], before["policy"][alive][~changed])
     ray.kill(worker)
     ray.kill(replay)
+
+
+@pytest.mark.parametrize("manual", [True, False])
+def test_manual_gc_keeps_the_collector_out_of_train_calls(ray_session, manual):
+    import gc
+
+    shard = ray.remote(ReplayBuffer).options(num_cpus=0).remote(REPLAY, 0)
+    ray.get([shard.add.remote(s) for s in segments(seed=3)])
+    learner = Learner(MODEL, dataclasses.replace(LEARNER, manual_gc=manual), (4,), 2, seed=0)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at nearly every allocation, unless the collector is off
+    try:
+        result = learner.train(shard, 3)
+    finally:
+        gc.set_threshold(*threshold)
+        learner.close()
+        ray.kill(shard)
+    assert result["learner_steps"] == 3
+    if manual:
+        assert result["gc_collections"] == 0 and gc.isenabled() and gc.get_freeze_count() > 0
+    else:
+        assert result["gc_collections"] > 0
+    gc.unfreeze()

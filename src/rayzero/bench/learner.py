@@ -84,7 +84,7 @@ class SyntheticReplay(ReplayBuffer):
 def _learner_cfg(batch: int, gpu: bool, v: Variant) -> LearnerConfig:
     return LearnerConfig(batch_size=batch, lr=1e-3, lr_warmup_steps=100, device="cuda" if gpu else "cpu",
                          compile=v.compile, compile_mode=v.compile_mode, channels_last=v.channels_last,
-                         steps_per_call=50, grad_sync=v.grad_sync, prefetch=v.prefetch)
+                         steps_per_call=50, grad_sync=v.grad_sync, prefetch=v.prefetch, manual_gc=v.manual_gc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +96,7 @@ class Variant:
     bare_only: bool = False
     grad_sync: str = LearnerConfig.grad_sync  # of groups (learner.grad_sync)
     prefetch: int = LearnerConfig.prefetch
+    manual_gc: bool = LearnerConfig.manual_gc
 
     def label(self) -> str:
         parts = []
@@ -134,7 +135,7 @@ def _bare(sizes: Sizes, learner: Any, replay: Any, batch: int, steps: int) -> di
 
 def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) -> dict[str, Any]:
     row: dict[str, Any] = {"gpus": world, "batch_per_gpu": v.batch, "global_batch": v.batch * world,
-                           "variant": v.label(), "prefetch": v.prefetch,
+                           "variant": v.label(), "prefetch": v.prefetch, "manual_gc": v.manual_gc,
                            **({"grad_sync": v.grad_sync} if world > 1 else {})}
     if not v.bare_only:
         steps = sizes.steps_per_call
@@ -143,10 +144,11 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) ->
         for _ in range(SETTLE_CALLS):
             ray.get(learner.train.remote(replay, steps))
         start = time.perf_counter()
-        waits = np.zeros(world)
+        waits, gc_ms = np.zeros(world), np.zeros(world)
         for _ in range(sizes.timed_calls):
             result = ray.get(learner.train.remote(replay, steps))
             waits += result.get("input_wait_s_per_rank", [result.get("input_wait_s", 0.0)])
+            gc_ms += result.get("gc_ms_per_rank", [result.get("gc_ms", 0.0)])
             ray.get(learner.weights.remote())  # weight publication, as the driver does after every call
         elapsed = time.perf_counter() - start
         loop_steps = sizes.timed_calls * steps
@@ -156,6 +158,8 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) ->
             "loop_ms_per_step": 1e3 * elapsed / loop_steps,
             # Per rank: ms per step its training thread waited for a prepared batch.
             "input_wait_ms_per_step": [round(float(1e3 * w / loop_steps), 3) for w in waits],
+            # Per rank: ms per step in automatic garbage collections during the calls (0 with learner.manual_gc).
+            "gc_ms_per_step": [round(float(g / loop_steps), 3) for g in gc_ms],
             "obs_path": result.get("obs_path"), "stale_samples": result.get("stale_samples", 0.0),
             "obs_cache_uploaded": result.get("obs_cache_uploaded"),
         })
@@ -169,14 +173,16 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
         compile_mode: str = LearnerConfig.compile_mode,
         alternatives: bool = True, overlap: bool = False,
         grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,),
-        prefetches: tuple[int, ...] = (LearnerConfig.prefetch,)) -> dict[str, Any]:
+        prefetches: tuple[int, ...] = (LearnerConfig.prefetch,),
+        manual_gcs: tuple[bool, ...] = (LearnerConfig.manual_gc,)) -> dict[str, Any]:
     """All rows; `progress(partial results)` after each one (a run cut off still leaves its figures).
 
     alternatives: also the other memory layout and an eager bare row at the largest batch (GPU).
     overlap: start the multi-GPU group (ranks on 0.6 of a GPU each) together with the one-GPU learners (0.4),
     so all compile at once; each is then measured while the others idle (one batch size, 2 GPUs).
-    grad_syncs x prefetches: the multi-GPU groups' learner.grad_sync and learner.prefetch variants (with overlap
-    the first starts with the one-GPU learners, the others after them; one-GPU rows for each prefetch).
+    grad_syncs x prefetches x manual_gcs: the multi-GPU groups' learner.grad_sync, .prefetch and .manual_gc
+    variants (with overlap the first starts with the one-GPU learners, the others after them; one-GPU rows for
+    each prefetch and manual_gc).
     """
     began = time.perf_counter()
     replay_cfg = ReplayConfig(capacity=sizes.capacity, unroll_steps=5, td_steps=5, min_size=0, shared_obs=True)
@@ -204,7 +210,8 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
 
     # One GPU each: every variant's learner starts at once (sharing GPUs while they compile, which is CPU work);
     # they are then measured one at a time while the others idle.
-    variants = [Variant(b, compile_mode=compile_mode, prefetch=p) for b in sizes.batches for p in prefetches]
+    variants = [Variant(b, compile_mode=compile_mode, prefetch=p, manual_gc=m)
+                for b in sizes.batches for p in prefetches for m in manual_gcs]
     if gpu and alternatives:
         top = max(sizes.batches)
         variants += [Variant(top, channels_last=True, compile_mode=compile_mode),
@@ -213,7 +220,8 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
     if overlap and gpu and total_gpus == 2 and 2 in worlds and len(sizes.batches) == 1:
         # (Only the first grad_sync variant: ranks of two groups at 0.3 each could land on one GPU.)
         share = 0.4 / len(variants)  # the one-GPU learners may all land on one GPU beside a group rank (0.6)
-        v = Variant(sizes.batches[0], compile_mode=compile_mode, grad_sync=grad_syncs[0], prefetch=prefetches[0])
+        v = Variant(sizes.batches[0], compile_mode=compile_mode, grad_sync=grad_syncs[0], prefetch=prefetches[0],
+                    manual_gc=manual_gcs[0])
         overlapped.append((2, v, _start(sizes, 2, v, gpu, 0.6)))
     else:
         share = 1.0 / -(-len(variants) // max(1, total_gpus)) if gpu else 0.0
@@ -261,10 +269,12 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
                     and "loop_samples_per_second" in r]
         if top_rows:
             nhwc = max(top_rows, key=lambda r: r["loop_samples_per_second"])["variant"].endswith("nhwc")
-    done = {(world, v.batch, v.grad_sync, v.prefetch) for world, v, _ in overlapped}
-    for world, b, sync, depth in [(w, b, g, p) for w in worlds[1:] for b in sizes.batches for g in grad_syncs
-                                  for p in prefetches if (w, b, g, p) not in done]:
-        v = Variant(b, channels_last=nhwc, compile_mode=compile_mode, grad_sync=sync, prefetch=depth)
+    done = {(world, v.batch, v.grad_sync, v.prefetch, v.manual_gc) for world, v, _ in overlapped}
+    for world, b, sync, depth, manual in [(w, b, g, p, m) for w in worlds[1:] for b in sizes.batches
+                                          for g in grad_syncs for p in prefetches for m in manual_gcs
+                                          if (w, b, g, p, m) not in done]:
+        v = Variant(b, channels_last=nhwc, compile_mode=compile_mode, grad_sync=sync, prefetch=depth,
+                    manual_gc=manual)
         if over_budget(f"{world} x batch {b} {sync}"):
             continue
         t0 = time.perf_counter()
@@ -286,11 +296,12 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
         if row["gpus"] > 1 and "loop_samples_per_second" in row:
             one = next((r for r in rows if r["gpus"] == 1 and r["batch_per_gpu"] == row["batch_per_gpu"]
                         and r["variant"] == row["variant"] and r["prefetch"] == row["prefetch"]
+                        and r["manual_gc"] == row["manual_gc"]
                         and "loop_samples_per_second" in r), None)
             if one:
                 scaling.append({
                     "gpus": row["gpus"], "batch_per_gpu": row["batch_per_gpu"], "variant": row["variant"],
-                    "grad_sync": row.get("grad_sync"), "prefetch": row["prefetch"],
+                    "grad_sync": row.get("grad_sync"), "prefetch": row["prefetch"], "manual_gc": row["manual_gc"],
                     "speedup": row["loop_samples_per_second"] / one["loop_samples_per_second"],
                     "efficiency": row["loop_samples_per_second"] / (row["gpus"] * one["loop_samples_per_second"]),
                     "bare_speedup": row["bare_samples_per_second"] / one["bare_samples_per_second"],
@@ -342,14 +353,17 @@ def _row_text(row: dict[str, Any]) -> str:
             f"bare {f('bare_samples_per_second'):>9} samples/s ({f('bare_ms_per_step', '{:.1f}')} ms)  "
             f"compile {row.get('compile')}  obs {row.get('obs_path', '-')}"
             + (f"  grad_sync {row['grad_sync']}" if "grad_sync" in row else "") + f"  prefetch {row['prefetch']}"
-            + (f"  input wait {row['input_wait_ms_per_step']} ms/step" if "input_wait_ms_per_step" in row else ""))
+            + f"  manual_gc {row['manual_gc']}"
+            + (f"  input wait {row['input_wait_ms_per_step']} ms/step" if "input_wait_ms_per_step" in row else "")
+            + (f"  gc {row['gc_ms_per_step']} ms/step" if "gc_ms_per_step" in row else ""))
 
 
 def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, ...] | None = None,
          compile_mode: str = LearnerConfig.compile_mode, alternatives: bool = True, overlap: bool = False,
          capacity: int | None = None, short: bool = False,
          grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,),
-         prefetches: tuple[int, ...] = (LearnerConfig.prefetch,)) -> dict[str, Any]:
+         prefetches: tuple[int, ...] = (LearnerConfig.prefetch,),
+         manual_gcs: tuple[bool, ...] = (LearnerConfig.manual_gc,)) -> dict[str, Any]:
     """The benchmark (see the module docstring); the keyword options narrow a run (e.g. one batch size,
     CUDA graphs, everything compiling at once) when device time is short."""
     sizes = QUICK if quick else FULL
@@ -377,7 +391,8 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
             write_json(json_path, "learner", {**header, **partial})
 
     try:
-        results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap, grad_syncs, prefetches)
+        results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap, grad_syncs, prefetches,
+                      manual_gcs)
         results["reanalyse"] = reanalyse_rates(sizes, gpu)
     finally:
         if started_here:
@@ -397,7 +412,8 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
     for row in results["rows"]:
         print("  " + _row_text(row))
     for s in results["scaling"]:
-        print(f"  scaling {s['gpus']} x {s['batch_per_gpu']} ({s['grad_sync']}, prefetch {s['prefetch']}): "
+        print(f"  scaling {s['gpus']} x {s['batch_per_gpu']} ({s['grad_sync']}, prefetch {s['prefetch']}, "
+              f"manual_gc {s['manual_gc']}): "
               f"{s['speedup']:.2f}x loop "
               f"(efficiency {s['efficiency']:.0%}), {s['bare_speedup']:.2f}x bare")
     if bars:
@@ -419,7 +435,10 @@ if __name__ == "__main__":
                         help="comma-separated learner.grad_sync variants of the multi-GPU rows (ddp, flat)")
     parser.add_argument("--prefetch", default=str(LearnerConfig.prefetch),
                         help="comma-separated learner.prefetch variants of the multi-GPU rows")
+    parser.add_argument("--manual-gc", default=str(LearnerConfig.manual_gc).lower(),
+                        help="comma-separated learner.manual_gc variants (true, false)")
     args = parser.parse_args()
     main(args.quick, args.json, tuple(int(b) for b in args.batches.split(",") if b), args.compile_mode,
          not args.no_alternatives, args.overlap, args.capacity or None, args.short,
-         tuple(args.grad_sync.split(",")), tuple(int(p) for p in args.prefetch.split(",")))
+         tuple(args.grad_sync.split(",")), tuple(int(p) for p in args.prefetch.split(",")),
+         tuple(m.strip().lower() in ("1", "true", "yes", "on") for m in args.manual_gc.split(",")))

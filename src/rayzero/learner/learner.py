@@ -14,7 +14,9 @@ the copy overlap the update.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import inspect
 import math
 import sys
@@ -55,6 +57,22 @@ class _Switch(torch.nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         compiled = self.__dict__["compiled"]
         return (compiled if compiled is not None else self.inner)(batch)
+
+
+_GC = {"count": 0, "seconds": 0.0, "start": None}  # collections in this process (any thread) and their time
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC["start"] = time.perf_counter()
+    elif _GC["start"] is not None:
+        _GC["count"] += 1
+        _GC["seconds"] += time.perf_counter() - _GC["start"]
+        _GC["start"] = None
+
+
+gc.callbacks.append(_on_gc)
+FULL_GC_EVERY = 20  # train calls between full collections with learner.manual_gc
 
 
 def resolve_device(name: str) -> torch.device:
@@ -153,6 +171,7 @@ class Learner:
         self._staging: Staging | None = None
         self._prefetcher: Prefetcher | None = None
         self._outbox: PriorityOutbox | None = None
+        self._calls = 0
 
     # -- one update ------------------------------------------------------------------------------------
 
@@ -319,12 +338,38 @@ class Learner:
         )
         return result
 
+    @contextlib.contextmanager
+    def _gc_control(self) -> Any:
+        """learner.manual_gc around a train call; yields a dict that gets the call's collection count and time."""
+        stats: dict[str, float] = {}
+        count, seconds = _GC["count"], _GC["seconds"]
+        enabled = gc.isenabled()
+        if self.cfg.manual_gc:
+            gc.disable()
+        try:
+            yield stats
+        finally:
+            stats.update(gc_collections=_GC["count"] - count, gc_ms=1e3 * (_GC["seconds"] - seconds))
+            if self.cfg.manual_gc:
+                self._calls += 1
+                gc.collect(2 if self._calls % FULL_GC_EVERY == 0 else 1)
+                if self._calls == 1:
+                    gc.freeze()  # what the first call leaves alive (modules, compiled graphs) is not scanned again
+                if enabled:
+                    gc.enable()
+
     def train(self, replay: Any, num_steps: int) -> dict[str, Any]:
         """num_steps updates on batches from a replay actor; publishes a new version at the end.
 
         Batches come `learner.prefetch` ahead from a background thread (kept between calls); priorities go back
         without waiting for the device. The device is synced once, at the end.
         """
+        with self._gc_control() as gc_stats:
+            result = self._train(replay, num_steps)
+        result.update(gc_stats)
+        return result
+
+    def _train(self, replay: Any, num_steps: int) -> dict[str, Any]:
         import ray
 
         if isinstance(replay, (list, tuple)):
