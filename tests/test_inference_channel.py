@@ -1,6 +1,9 @@
 """Shared-memory channels to the inference actor (real Ray actor, CPU): answers equal Ray calls; bad requests fail
 alone with the actor's error; oversized requests, other nodes and closed channels fall back or reopen."""
 
+import os
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -87,6 +90,42 @@ def test_a_dead_actor_raises_instead_of_leaving_the_client_waiting(actor):
     client = InferenceClient(doomed, "orphan", max_rows=4, obs_rows=2)
     root = client.initial(np.zeros((2, 4), np.float32))
     assert client.transport == "channel"
+    pid = ray.get(doomed.__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(doomed)
+    deadline = time.monotonic() + 30  # Ray reports the actor dead before its process has exited
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.05)
     with pytest.raises(ray.exceptions.RayActorError):
         client.recurrent(root["handles"], np.array([0, 1]))
+
+
+@ray.remote(num_cpus=0)
+class _ChannelUser:
+    def __init__(self, server, name):
+        self.client = InferenceClient(server, name, max_rows=8, obs_rows=8)
+
+    def run(self, obs, actions):
+        out = [self.client.initial(obs)]
+        for step_actions in actions:
+            out.append(self.client.recurrent(out[-1]["handles"], step_actions))
+        return self.client.transport, out
+
+
+def test_concurrent_channel_clients_each_get_their_own_answers(actor):
+    rng = np.random.default_rng(1)
+    users = [_ChannelUser.remote(actor, f"user-{i}") for i in range(4)]
+    obs = [rng.normal(size=(5, 4)).astype(np.float32) for _ in users]
+    actions = [[rng.integers(0, 3, size=5) for _ in range(6)] for _ in users]
+    results = ray.get([u.run.remote(o, a) for u, o, a in zip(users, obs, actions)])
+    for i, (transport, out) in enumerate(results):
+        assert transport == "channel"
+        expected = ray.get(actor.initial.remote(f"ref-{i}", obs[i]))
+        np.testing.assert_allclose(out[0]["value"], expected["value"], rtol=1e-5, atol=1e-6)
+        for step, step_actions in zip(out[1:], actions[i]):
+            expected = ray.get(actor.recurrent.remote(f"ref-{i}", expected["handles"], step_actions))
+            np.testing.assert_allclose(step["policy_logits"], expected["policy_logits"], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(step["reward"], expected["reward"], rtol=1e-5, atol=1e-6)
+    for i in range(4):
+        ray.get([actor.release.remote(f"user-{i}"), actor.release.remote(f"ref-{i}")])
+    for user in users:
+        ray.kill(user)
