@@ -137,7 +137,10 @@ class Poller:
                     channel.seen = seq
                     channel.last_active = time.monotonic()
                     busy = True
-                    self.on_request(channel, seq)
+                    try:
+                        self.on_request(channel, seq)
+                    except Exception as error:  # noqa: BLE001 - this request fails, the poller goes on
+                        channel.fail(seq, InferenceError(f"channel: {type(error).__name__}: {error}"))
             now = time.monotonic()
             if self.idle_timeout_s > 0 and now - last_sweep > 1.0:
                 last_sweep = now
