@@ -346,6 +346,8 @@ class Driver:
                     self.episodes += len(result["episode_returns"])
                 elif kind == "learn":
                     self.learner_steps = result["learner_steps"]
+                elif kind == "reanalyse":
+                    self.reanalysed += result["positions"]
         if self.solved_weights is not None:
             # The learner ran on while the deciding evaluation played; keep the weights that met the bar,
             # so the checkpoint and the summary describe the same agent.
