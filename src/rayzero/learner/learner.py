@@ -353,8 +353,6 @@ class Learner:
             if self.cfg.manual_gc:
                 self._calls += 1
                 gc.collect(2 if self._calls % FULL_GC_EVERY == 0 else 1)
-                if self._calls == 1:
-                    gc.freeze()  # what the first call leaves alive (modules, compiled graphs) is not scanned again
                 if enabled:
                     gc.enable()
 
