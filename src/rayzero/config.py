@@ -254,9 +254,9 @@ class LearnerConfig:
     """Width of the consistency projection (and of its prediction head's hidden layer)."""
     manual_gc: bool = True
     """Python's garbage collector off during `train` calls, with a young-generation collection at the end of each
-    call (all ranks at the same point) and a full one every 20 calls. An automatic collection pauses one rank at a random step and DDP makes the
-    others wait (Megatron-LM's --manual-gc does the same for the same reason). Results report `gc_collections`
-    and `gc_ms` during the call."""
+    call (all ranks at the same point) and a full one every 20 calls. An automatic collection pauses one rank
+    at a random step and the other ranks wait for it at the all-reduce (Megatron-LM's --manual-gc does the same
+    for the same reason). Results report `gc_collections` and `gc_ms` during the call."""
     grad_sync: str = "flat"
     """How the ranks of a learner group average gradients (both over torch.distributed, NCCL or gloo).
     'flat': after the backward, every gradient packed into one buffer and all-reduced at once. 'ddp': torch's

@@ -22,8 +22,8 @@ from __future__ import annotations
 import platform
 import threading
 import time
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +103,6 @@ class Poller:
         self.sleep_s = sleep_s
         self.channels: dict[str, ServerChannel] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inference-channels", daemon=True)
         self._thread.start()
 
@@ -121,13 +120,9 @@ class Poller:
             channel.close()
         return channel is not None
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
     def _run(self) -> None:
         last_sweep = time.monotonic()
-        while not self._stop.is_set():
+        while True:  # a daemon thread: it ends with the actor's process
             with self._lock:
                 channels = list(self.channels.values())
             busy = False
