@@ -133,7 +133,38 @@ def _bare(sizes: Sizes, learner: Any, replay: Any, batch: int, steps: int) -> di
             "bare_ms_per_step": bare["ms_per_step"], "compile": bare["compile"]}
 
 
-def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) -> dict[str, Any]:
+def _timed_calls(learner: Any, replay: Any, world: int, steps: int, calls: int) -> dict[str, Any]:
+    """`calls` train calls of `steps` steps, each followed by a weight fetch as the driver does; wall time and
+    where it went, per call and per rank."""
+    per_rank = {key: np.zeros(world) for key in ("input_wait_s", "gc_ms", "launch_s", "call_s", "manual_gc_ms")}
+    call_ms, weights_ms = [], []
+    start = time.perf_counter()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        result = ray.get(learner.train.remote(replay, steps))
+        t1 = time.perf_counter()
+        ray.get(learner.weights.remote())  # weight publication, as the driver does after every call
+        call_ms.append(round(1e3 * (t1 - t0), 2))
+        weights_ms.append(round(1e3 * (time.perf_counter() - t1), 2))
+        for key in per_rank:
+            per_rank[key] += result.get(f"{key}_per_rank", [result.get(key, 0.0)])
+    elapsed = time.perf_counter() - start
+    total = calls * steps
+    return {
+        "result": result, "elapsed": elapsed, "steps": total,
+        "call_ms": call_ms, "weights_ms": weights_ms,
+        # Per rank, ms per step: the training thread waiting for a prepared batch; automatic garbage collections
+        # during the calls (0 with learner.manual_gc); launching the steps; the whole call as the rank saw it.
+        "input_wait_ms_per_step": [round(float(1e3 * w / total), 3) for w in per_rank["input_wait_s"]],
+        "gc_ms_per_step": [round(float(g / total), 3) for g in per_rank["gc_ms"]],
+        "launch_ms_per_step": [round(float(1e3 * w / total), 3) for w in per_rank["launch_s"]],
+        "rank_call_ms_per_step": [round(float(1e3 * w / total), 3) for w in per_rank["call_s"]],
+        "manual_gc_ms_per_call": [round(float(g / calls), 3) for g in per_rank["manual_gc_ms"]],
+    }
+
+
+def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant,
+             long_calls: int = 0) -> dict[str, Any]:
     row: dict[str, Any] = {"gpus": world, "batch_per_gpu": v.batch, "global_batch": v.batch * world,
                            "variant": v.label(), "prefetch": v.prefetch, "manual_gc": v.manual_gc,
                            **({"grad_sync": v.grad_sync} if world > 1 else {})}
@@ -143,26 +174,24 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant) ->
         # it does in a long run where only new positions are copied up.
         for _ in range(SETTLE_CALLS):
             ray.get(learner.train.remote(replay, steps))
-        start = time.perf_counter()
-        waits, gc_ms = np.zeros(world), np.zeros(world)
-        for _ in range(sizes.timed_calls):
-            result = ray.get(learner.train.remote(replay, steps))
-            waits += result.get("input_wait_s_per_rank", [result.get("input_wait_s", 0.0)])
-            gc_ms += result.get("gc_ms_per_rank", [result.get("gc_ms", 0.0)])
-            ray.get(learner.weights.remote())  # weight publication, as the driver does after every call
-        elapsed = time.perf_counter() - start
-        loop_steps = sizes.timed_calls * steps
+        timed = _timed_calls(learner, replay, world, steps, sizes.timed_calls)
+        result = timed.pop("result")
+        elapsed, loop_steps = timed.pop("elapsed"), timed.pop("steps")
         row.update({
             "loop_samples_per_second": loop_steps * v.batch * world / elapsed,
             "loop_steps_per_second": loop_steps / elapsed,
             "loop_ms_per_step": 1e3 * elapsed / loop_steps,
-            # Per rank: ms per step its training thread waited for a prepared batch.
-            "input_wait_ms_per_step": [round(float(1e3 * w / loop_steps), 3) for w in waits],
-            # Per rank: ms per step in automatic garbage collections during the calls (0 with learner.manual_gc).
-            "gc_ms_per_step": [round(float(g / loop_steps), 3) for g in gc_ms],
+            **timed,
             "obs_path": result.get("obs_path"), "stale_samples": result.get("stale_samples", 0.0),
             "obs_cache_uploaded": result.get("obs_cache_uploaded"),
         })
+        if long_calls:  # the same learner with fewer, longer calls: how much of the loop's cost is per call
+            timed = _timed_calls(learner, replay, world, long_calls, 1)
+            timed.pop("result")
+            elapsed, loop_steps = timed.pop("elapsed"), timed.pop("steps")
+            row["long_calls"] = {"steps_per_call": long_calls,
+                                 "loop_samples_per_second": loop_steps * v.batch * world / elapsed,
+                                 "loop_ms_per_step": 1e3 * elapsed / loop_steps, **timed}
     row.update(_bare(sizes, learner, replay, v.batch, sizes.bare_steps))
     if "loop_samples_per_second" in row:
         row["loop_over_bare"] = row["loop_samples_per_second"] / row["bare_samples_per_second"]
@@ -174,7 +203,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
         alternatives: bool = True, overlap: bool = False,
         grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,),
         prefetches: tuple[int, ...] = (LearnerConfig.prefetch,),
-        manual_gcs: tuple[bool, ...] = (LearnerConfig.manual_gc,)) -> dict[str, Any]:
+        manual_gcs: tuple[bool, ...] = (LearnerConfig.manual_gc,), long_calls: int = 0) -> dict[str, Any]:
     """All rows; `progress(partial results)` after each one (a run cut off still leaves its figures).
 
     alternatives: also the other memory layout and an eager bare row at the largest batch (GPU).
@@ -247,7 +276,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             notes.append("the overlapped group was not warm after 300 s (placement or compilation); timing anyway")
             print(notes[-1], flush=True)
     for v, learner in learners.items():
-        report(_measure(sizes, learner, replay, 1, v))
+        report(_measure(sizes, learner, replay, 1, v, long_calls))
     for learner in learners.values():
         _stop(learner)
     for (world, v, group), ref in zip(overlapped, warm_groups):
@@ -256,7 +285,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             print(f"{world} x {v.batch} {v.label()} {v.grad_sync} prefetch {v.prefetch}: warm at "
                   f"{time.perf_counter() - t0:.1f}s "
                   f"(compile {info['compile']})", flush=True)
-            report(_measure(sizes, group, shards[:world], world, v))
+            report(_measure(sizes, group, shards[:world], world, v, long_calls))
         except Exception as error:  # noqa: BLE001 - reported
             notes.append(f"{world} x {v.batch} {v.grad_sync} failed: {type(error).__name__}: {str(error)[:2000]}")
             print(notes[-1], flush=True)
@@ -284,7 +313,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             info = ray.get(group.train.remote(shards[:world], sizes.steps_per_call))
             print(f"{world} x {b} {v.label()} {sync}: up and warm in {time.perf_counter() - t0:.1f}s "
                   f"(compile {info['compile']})", flush=True)
-            report(_measure(sizes, group, shards[:world], world, v))
+            report(_measure(sizes, group, shards[:world], world, v, long_calls))
         except Exception as error:  # noqa: BLE001 - reported, the other configurations go on
             notes.append(f"{world} x {b} {sync} failed: {type(error).__name__}: {str(error)[:2000]}")
             print(notes[-1], flush=True)
@@ -355,7 +384,12 @@ def _row_text(row: dict[str, Any]) -> str:
             + (f"  grad_sync {row['grad_sync']}" if "grad_sync" in row else "") + f"  prefetch {row['prefetch']}"
             + f"  manual_gc {row['manual_gc']}"
             + (f"  input wait {row['input_wait_ms_per_step']} ms/step" if "input_wait_ms_per_step" in row else "")
-            + (f"  gc {row['gc_ms_per_step']} ms/step" if "gc_ms_per_step" in row else ""))
+            + (f"  gc {row['gc_ms_per_step']} ms/step" if "gc_ms_per_step" in row else "")
+            + (f"  launch {row['launch_ms_per_step']} ms/step  rank call {row['rank_call_ms_per_step']} ms/step"
+               f"  calls {row['call_ms']} ms  weights {row['weights_ms']} ms" if "call_ms" in row else "")
+            + (f"  long calls ({row['long_calls']['steps_per_call']} steps): "
+               f"{row['long_calls']['loop_samples_per_second']:,.0f} samples/s, "
+               f"{row['long_calls']['loop_ms_per_step']:.2f} ms/step" if "long_calls" in row else ""))
 
 
 def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, ...] | None = None,
@@ -363,7 +397,8 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
          capacity: int | None = None, short: bool = False,
          grad_syncs: tuple[str, ...] = (LearnerConfig.grad_sync,),
          prefetches: tuple[int, ...] = (LearnerConfig.prefetch,),
-         manual_gcs: tuple[bool, ...] = (LearnerConfig.manual_gc,)) -> dict[str, Any]:
+         manual_gcs: tuple[bool, ...] = (LearnerConfig.manual_gc,), long_calls: int = 0,
+         timed_calls: int = 0) -> dict[str, Any]:
     """The benchmark (see the module docstring); the keyword options narrow a run (e.g. one batch size,
     CUDA graphs, everything compiling at once) when device time is short."""
     sizes = QUICK if quick else FULL
@@ -373,6 +408,8 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
         sizes = dataclasses.replace(sizes, capacity=capacity)
     if short:
         sizes = dataclasses.replace(sizes, timed_calls=2, bare_steps=20)
+    if timed_calls:
+        sizes = dataclasses.replace(sizes, timed_calls=timed_calls)
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(include_dashboard=False, log_to_driver=True, **({"num_cpus": 2} if quick else {}))
@@ -392,7 +429,7 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
 
     try:
         results = run(sizes, gpu, worlds, progress, compile_mode, alternatives, overlap, grad_syncs, prefetches,
-                      manual_gcs)
+                      manual_gcs, long_calls)
         results["reanalyse"] = reanalyse_rates(sizes, gpu)
     finally:
         if started_here:
@@ -437,8 +474,12 @@ if __name__ == "__main__":
                         help="comma-separated learner.prefetch variants of the multi-GPU rows")
     parser.add_argument("--manual-gc", default=str(LearnerConfig.manual_gc).lower(),
                         help="comma-separated learner.manual_gc variants (true, false)")
+    parser.add_argument("--long-calls", type=int, default=0,
+                        help="also time one call of this many steps per row (the loop's per-call cost)")
+    parser.add_argument("--timed-calls", type=int, default=0, help="timed calls per row (default 3)")
     args = parser.parse_args()
     main(args.quick, args.json, tuple(int(b) for b in args.batches.split(",") if b), args.compile_mode,
          not args.no_alternatives, args.overlap, args.capacity or None, args.short,
          tuple(args.grad_sync.split(",")), tuple(int(p) for p in args.prefetch.split(",")),
-         tuple(m.strip().lower() in ("1", "true", "yes", "on") for m in args.manual_gc.split(",")))
+         tuple(m.strip().lower() in ("1", "true", "yes", "on") for m in args.manual_gc.split(",")),
+         args.long_calls, args.timed_calls)

@@ -262,7 +262,9 @@ class LearnerGroup:
         result = results[0]
         result.update(restarts=self.restarts, num_learners=self.num_learners,
                       input_wait_s_per_rank=[r["input_wait_s"] for r in results],
-                      gc_ms_per_rank=[r["gc_ms"] for r in results])
+                      gc_ms_per_rank=[r["gc_ms"] for r in results],
+                      launch_s_per_rank=[r["launch_s"] for r in results],
+                      call_s_per_rank=[r["call_s"] for r in results])
         return result
 
     def train_on(self, per_rank_batches: list[list[Any]]) -> dict[str, Any]:

@@ -352,7 +352,9 @@ class Learner:
             stats.update(gc_collections=_GC["count"] - count, gc_ms=1e3 * (_GC["seconds"] - seconds))
             if self.cfg.manual_gc:
                 self._calls += 1
+                collect_start = time.perf_counter()
                 gc.collect(2 if self._calls % FULL_GC_EVERY == 0 else 1)
+                stats["manual_gc_ms"] = 1e3 * (time.perf_counter() - collect_start)
                 if enabled:
                     gc.enable()
 
@@ -398,10 +400,16 @@ class Learner:
                 input_wait += time.perf_counter() - waited
                 priorities, _ = self._update(item.ready(), item.stale)
                 self._outbox.put(replay, item.indices, item.generations, priorities)
+        launched = time.perf_counter()
         result = self._result(num_steps, start, samples_before)
         # Seconds the training thread waited for a prepared batch (the input pipeline falling behind).
         result["input_wait_s"] = input_wait
+        # Seconds the training thread took to launch the call's steps, then to wait for the device and the ranks'
+        # metrics: launch_s near the whole call means the host, not the device, set the pace.
+        result["launch_s"] = launched - start
+        result["drain_s"] = time.perf_counter() - launched
         self._outbox.flush()
+        result["call_s"] = time.perf_counter() - start
         prefetcher = self._prefetcher
         result["obs_path"] = "shared" if prefetcher is not None and not prefetcher.with_obs else "ray"
         if prefetcher is not None and prefetcher.staging.cache is not None:
