@@ -323,3 +323,44 @@ def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):
     learner = Learner(MODEL, cfg, (4,), 2, seed=0)
     assert learner.step(batch)[0]["loss"] == expected[0]
     assert learner.compile_state == "failed"
+
+
+def test_published_weights_follow_updates_and_cross_ray_as_writable_tensors():
+    import pickle
+
+    from rayzero.models.state import StateDict, snapshot
+
+    learner = Learner(ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2,
+                                  head_hidden=8), LEARNER, (3, 16, 16), 4, seed=0)
+    live = learner.model.state_dict()
+    version, published = learner.weights()
+    assert isinstance(published, StateDict) and list(published) == list(live)
+    assert {str(v.dtype) for v in published.values()} >= {"torch.float32", "torch.int64"}  # BatchNorm counters
+    assert all(torch.equal(published[k], live[k]) for k in live)
+    assert learner.weights()[1] is published  # one copy per version
+    # An update (even without a new version) and a rollback each give a fresh copy.
+    batch = ReplayBuffer(ReplayConfig(capacity=100, unroll_steps=2, td_steps=2, min_size=0), 0)
+    rng = np.random.default_rng(0)
+    batch.add(Segment(obs=rng.integers(0, 255, size=(20, 3, 16, 16), dtype=np.uint8), actions=rng.integers(0, 4, 20),
+                      rewards=np.ones(20, np.float32), policies=np.full((20, 4), 0.25, np.float32),
+                      root_values=np.zeros(20, np.float32), num_sampleable=20, terminal=True, bootstrap_value=0.0))
+    learner.step(batch.sample(8))
+    after = learner.weights()[1]
+    assert after is not published
+    assert any(not torch.equal(after[k], published[k]) for k in live if live[k].is_floating_point())
+    assert all(torch.equal(after[k], live[k]) for k in live)
+    learner.set_weights(7, published)
+    assert learner.weights()[0] == 7 and all(torch.equal(learner.weights()[1][k], published[k]) for k in live)
+    # Pickled, in band and as Ray does it (protocol 5, numpy buffers out of band, read-only on the way in): same
+    # names, order, dtypes and values; tensors that can be written.
+    mixed = snapshot({"w": torch.randn(3, 4), "b": torch.randn(5).bfloat16(), "n": torch.tensor(3)})
+    buffers: list = []
+    data = pickle.dumps(mixed, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 2  # w and n as numpy buffers; bfloat16, which numpy lacks, pickled by torch
+    out_of_band = pickle.loads(data, buffers=[b.raw().toreadonly() for b in buffers])
+    for copy in (pickle.loads(pickle.dumps(mixed, protocol=5)), out_of_band):
+        assert isinstance(copy, StateDict) and list(copy) == ["w", "b", "n"]
+        for k in mixed:
+            assert copy[k].dtype == mixed[k].dtype and torch.equal(copy[k], mixed[k])
+        copy["w"].add_(1.0)
+        assert not torch.equal(copy["w"], mixed["w"])

@@ -172,8 +172,9 @@ def _measure(sizes: Sizes, learner: Any, replay: Any, world: int, v: Variant,
         steps = sizes.steps_per_call
         # Untimed calls first, so a device observation cache (learner.obs_cache) holds most of the replay, as
         # it does in a long run where only new positions are copied up.
-        for _ in range(SETTLE_CALLS):
+        for _ in range(SETTLE_CALLS):  # (with the weight fetch: its first one is slow, see run 9 in the docs)
             ray.get(learner.train.remote(replay, steps))
+            ray.get(learner.weights.remote())
         timed = _timed_calls(learner, replay, world, steps, sizes.timed_calls)
         result = timed.pop("result")
         elapsed, loop_steps = timed.pop("elapsed"), timed.pop("steps")

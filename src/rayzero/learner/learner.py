@@ -37,6 +37,7 @@ from rayzero.learner.checkpoint import CheckpointError
 from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
 from rayzero.models import build_model
+from rayzero.models.state import StateDict, snapshot
 from rayzero.replay.buffer import Batch
 
 METRIC_NAMES = ("loss", *STAT_NAMES, "grad_norm", "stale_samples")
@@ -172,6 +173,7 @@ class Learner:
         self._prefetcher: Prefetcher | None = None
         self._outbox: PriorityOutbox | None = None
         self._calls = 0
+        self._published: tuple[int, int, StateDict] | None = None  # (version, steps, weights) of `weights`
 
     # -- one update ------------------------------------------------------------------------------------
 
@@ -446,8 +448,11 @@ class Learner:
                 "samples_per_second": num_steps * size / elapsed, "compile": self.compile_state}
 
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """(version, CPU state_dict) to publish to self-play and inference."""
-        return self.version, {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.state_dict().items()}
+        """(version, CPU state_dict) to publish to self-play and inference: a `StateDict`, copied from the device
+        once per version and sent through Ray as numpy buffers."""
+        if self._published is None or self._published[:2] != (self.version, self.steps):
+            self._published = (self.version, self.steps, snapshot(self.model.state_dict()))
+        return self.version, self._published[2]
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         """Put published weights back (the driver rolls back to the version that met run.stop_return)."""
@@ -455,6 +460,7 @@ class Learner:
             for name, tensor in self.model.state_dict().items():
                 tensor.copy_(state_dict[name])
         self.version = version
+        self._published = None
         return version
 
     def counters(self) -> dict[str, int]:
@@ -492,6 +498,7 @@ class Learner:
         except (OSError, SafetensorError, RuntimeError, EOFError, ValueError) as error:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {error}") from None
         self.model.load_state_dict(state)
+        self._published = None
         for prefix, module in self._extra_modules().items():
             part = {k[len(prefix) + 1:]: v for k, v in extra.items() if k.startswith(prefix + ".")}
             if part:

@@ -1,0 +1,60 @@
+"""Published weights: a CPU state dict that crosses Ray as numpy buffers.
+
+The learner publishes a new version after every train call and the driver hands it to inference, self-play,
+reanalyse and evaluation actors; each hop pickles the state dict. Torch pickles every tensor on its own (a
+storage written through `torch.save` into bytes, about 0.1 ms per tensor each way), so a 114-tensor Atari net
+took 27 ms per Ray round trip on the CPU, against 4 ms for the same arrays as numpy, which pickle protocol 5
+hands to Ray's object store as out-of-band buffers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["StateDict", "snapshot"]
+
+
+class StateDict(dict):
+    """{name: CPU tensor}; pickles as numpy arrays (tensors of a dtype numpy lacks, e.g. bfloat16, as tensors)
+    and unpickles into tensors that own their memory."""
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        return _rebuild, ({name: _as_numpy(value) for name, value in self.items()},)
+
+
+def _as_numpy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.requires_grad:
+        try:
+            return value.numpy()
+        except TypeError:  # a dtype numpy has no type for
+            return value
+    return value
+
+
+def _rebuild(arrays: dict[str, Any]) -> StateDict:
+    # np.array copies: arrays unpickled from Ray's object store are read-only views of it.
+    return StateDict({name: torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value
+                      for name, value in arrays.items()})
+
+
+def snapshot(state: dict[str, torch.Tensor]) -> StateDict:
+    """A CPU copy of a (device) state dict with one device-to-host copy per dtype instead of one per tensor.
+
+    Each tensor of the result is a contiguous view of its dtype's flat copy (pickling sends each view's own
+    bytes only)."""
+    groups: dict[torch.dtype, list[str]] = defaultdict(list)
+    for name, tensor in state.items():
+        groups[tensor.dtype].append(name)
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for names in groups.values():
+            tensors = [state[name].detach() for name in names]
+            flat = torch.cat([t.reshape(-1) for t in tensors]).cpu() if len(tensors) > 1 else \
+                tensors[0].reshape(-1).to("cpu", copy=True)
+            for name, tensor, part in zip(names, tensors, flat.split([t.numel() for t in tensors])):
+                out[name] = part.view(tensor.shape)
+    return StateDict((name, out[name]) for name in state)
