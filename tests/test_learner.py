@@ -364,3 +364,31 @@ def test_published_weights_follow_updates_and_cross_ray_as_writable_tensors():
             assert copy[k].dtype == mixed[k].dtype and torch.equal(copy[k], mixed[k])
         copy["w"].add_(1.0)
         assert not torch.equal(copy["w"], mixed["w"])
+
+
+def test_flat_gradient_sync_keeps_each_gradient_in_its_parameters_layout():
+    """learner.grad_sync='flat' hands back gradients with their parameters' strides (channels_last convolutions
+    included): CUDA's fused AdamW refuses a gradient whose strides differ from its parameter's."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cfg = LearnerConfig(batch_size=8, device="cpu", channels_last=True, compile=False, grad_sync="flat")
+        learner = Learner(ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2,
+                                      head_hidden=8), cfg, (3, 16, 16), 4, seed=0, distributed=True)
+        params = [p for group in learner.optimizer.param_groups for p in group["params"]]
+        assert any(not p.is_contiguous() for p in params)  # channels_last convolution weights
+        loss = sum((p.float() ** 2).sum() for p in params)
+        loss.backward()
+        before = [p.grad.clone() for p in params]
+        learner._all_reduce_flat(params)
+        for param, grad in zip(params, before):
+            assert param.grad.stride() == param.stride(), (param.shape, param.grad.stride(), param.stride())
+            assert torch.equal(param.grad, grad)
+    finally:
+        dist.destroy_process_group()

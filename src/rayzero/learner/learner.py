@@ -275,8 +275,17 @@ class Learner:
         grads = [p.grad for p in with_grad]
         flat = _flatten_dense_tensors(grads).div_(self.world_size)
         dist.all_reduce(flat)
-        for param, grad in zip(with_grad, _unflatten_dense_tensors(flat, grads)):
+        reduced = _unflatten_dense_tensors(flat, grads)  # contiguous views of `flat`
+        # A parameter in another memory layout (channels_last convolutions) gets its gradient copied into a tensor
+        # of its own strides: CUDA's fused AdamW refuses a gradient whose strides differ from its parameter's.
+        moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for param, grad in zip(with_grad, reduced):
+            if grad.stride() != param.stride():
+                grad, source = torch.empty_like(param), grad
+                moved.append((grad, source))
             param.grad = grad
+        if moved:
+            torch._foreach_copy_([dst for dst, _ in moved], [src for _, src in moved])
 
     def sync_target(self) -> None:
         """Copy the network into the target network."""
