@@ -36,3 +36,42 @@ def test_reanalyse_graph_replay_gives_the_eager_targets():
     eager.set_weights(2, {k: v * 0.5 for k, v in state.items()})
     obs = rng.normal(size=(64, 4)).astype(np.float32)
     np.testing.assert_allclose(captured.targets(obs)[1], eager.targets(obs)[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
+    """NCCL group, channels_last convolutions, learner.grad_sync='flat', fused AdamW: the updates run, move the
+    weights, and leave both ranks with the same weights."""
+    import ray
+
+    from rayzero.config import LearnerConfig, ReplayConfig
+    from rayzero.learner.group import LearnerGroup
+    from rayzero.replay import ReplayBuffer, Segment
+
+    model = ModelConfig(kind="resnet", channels=16, blocks=1, support_size=5, reduced_channels=4, head_hidden=16)
+    cfg = LearnerConfig(batch_size=16, lr=1e-3, lr_warmup_steps=0, device="cuda", channels_last=True, compile=False,
+                        grad_sync="flat", bf16=False)
+    rng = np.random.default_rng(0)
+    buffer = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=3, td_steps=3, min_size=0), 0)
+    for _ in range(4):
+        buffer.add(Segment(obs=rng.integers(0, 255, size=(40, 3, 32, 32), dtype=np.uint8),
+                           actions=rng.integers(0, 4, 40), rewards=rng.normal(size=40).astype(np.float32),
+                           policies=rng.dirichlet(np.ones(4), size=40).astype(np.float32),
+                           root_values=rng.normal(size=40).astype(np.float32), num_sampleable=40, terminal=True,
+                           bootstrap_value=0.0))
+    batches = [[buffer.sample(16) for _ in range(3)] for _ in range(2)]
+    ray.init(num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        group = ray.remote(LearnerGroup).options(num_cpus=0).remote(
+            model, cfg, (3, 32, 32), 4, 0, 1, num_learners=2, gpus_per_rank=1.0, cpus_per_rank=0.0)
+        _, before = ray.get(group.weights.remote())
+        result = ray.get(group.train_on.remote(batches))
+        assert np.isfinite(result["loss"]) and result["learner_steps"] == 3
+        ranks = ray.get(group.rank_handles.remote())
+        (_, first), (_, second) = ray.get([rank.weights.remote() for rank in ranks])
+        ray.get(group.close.remote())
+    finally:
+        ray.shutdown()
+    assert any(not torch.equal(first[k], before[k]) for k in before if before[k].is_floating_point())
+    for name in before:
+        assert torch.equal(first[name], second[name]), name
