@@ -41,7 +41,7 @@ def test_reanalyse_graph_replay_gives_the_eager_targets():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
     """NCCL group, channels_last convolutions, learner.grad_sync='flat', fused AdamW: the updates run, move the
-    weights, and leave both ranks with the same weights."""
+    weights, and leave both ranks with the same parameters."""
     import ray
 
     from rayzero.config import LearnerConfig, ReplayConfig
@@ -73,5 +73,8 @@ def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
     finally:
         ray.shutdown()
     assert any(not torch.equal(first[k], before[k]) for k in before if before[k].is_floating_point())
-    for name in before:
+    # Parameters agree exactly; BatchNorm running statistics are each rank's own (buffers are not synced).
+    params = [k for k in before if "running_" not in k and "num_batches_tracked" not in k]
+    assert len(params) < len(before)
+    for name in params:
         assert torch.equal(first[name], second[name]), name
