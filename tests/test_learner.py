@@ -338,6 +338,9 @@ def test_published_weights_follow_updates_and_cross_ray_as_writable_tensors():
     assert {str(v.dtype) for v in published.values()} >= {"torch.float32", "torch.int64"}  # BatchNorm counters
     assert all(torch.equal(published[k], live[k]) for k in live)
     assert learner.weights()[1] is published  # one copy per version
+    # Each tensor owns its memory: even as a plain dict (pickled by torch) the weights pickle to about their size.
+    size = sum(v.numel() * v.element_size() for v in published.values())
+    assert len(pickle.dumps(dict(published))) < 1.5 * size + 100_000
     # An update (even without a new version) and a rollback each give a fresh copy.
     batch = ReplayBuffer(ReplayConfig(capacity=100, unroll_steps=2, td_steps=2, min_size=0), 0)
     rng = np.random.default_rng(0)

@@ -57,7 +57,7 @@ class Sizes:
 
 
 FULL = Sizes((12, 96, 96), 18, ModelConfig(kind="resnet", channels=64, blocks=1, support_size=300), (1024, 256),
-             capacity=50_000, steps_per_call=50, timed_calls=3, bare_steps=40, budget_s=190.0)
+             capacity=50_000, steps_per_call=50, timed_calls=3, bare_steps=40, budget_s=320.0)
 QUICK = Sizes((3, 32, 32), 4, ModelConfig(kind="resnet", channels=16, blocks=1, support_size=10,
                                           reduced_channels=4, head_hidden=16),
               (16, 32), capacity=3_000, steps_per_call=3, timed_calls=2, bare_steps=3, budget_s=45.0)

@@ -44,8 +44,8 @@ def _rebuild(arrays: dict[str, Any]) -> StateDict:
 def snapshot(state: dict[str, torch.Tensor]) -> StateDict:
     """A CPU copy of a (device) state dict with one device-to-host copy per dtype instead of one per tensor.
 
-    Each tensor of the result is a contiguous view of its dtype's flat copy (pickling sends each view's own
-    bytes only)."""
+    Each tensor of the result owns its memory: torch pickles a view with its whole storage, so views of one flat
+    buffer put in a plain dict would each carry every weight."""
     groups: dict[torch.dtype, list[str]] = defaultdict(list)
     for name, tensor in state.items():
         groups[tensor.dtype].append(name)
@@ -56,5 +56,5 @@ def snapshot(state: dict[str, torch.Tensor]) -> StateDict:
             flat = torch.cat([t.reshape(-1) for t in tensors]).cpu() if len(tensors) > 1 else \
                 tensors[0].reshape(-1).to("cpu", copy=True)
             for name, tensor, part in zip(names, tensors, flat.split([t.numel() for t in tensors])):
-                out[name] = part.view(tensor.shape)
+                out[name] = part.view(tensor.shape).clone()
     return StateDict((name, out[name]) for name in state)
