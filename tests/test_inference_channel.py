@@ -80,8 +80,10 @@ def test_open_channel_checks_its_arguments_and_other_nodes_get_none(actor):
     with pytest.raises(InferenceError, match="max_rows=0"):
         ray.get(actor.open_channel.remote("x", 0))
     assert ray.get(actor.open_channel.remote("x", 4, 0, "another-node")) is None
+    with pytest.raises(InferenceError, match="pid=-3"):
+        ray.get(actor.open_channel.remote("x", 4, 0, None, -3))
     errors_before = ray.get(actor.stats.remote())["errors"]
-    assert errors_before >= 1
+    assert errors_before >= 2
 
 
 def test_a_dead_actor_raises_instead_of_leaving_the_client_waiting(actor):
@@ -129,3 +131,24 @@ def test_concurrent_channel_clients_each_get_their_own_answers(actor):
         ray.get([actor.release.remote(f"user-{i}"), actor.release.remote(f"ref-{i}")])
     for user in users:
         ray.kill(user)
+
+
+def test_a_dead_clients_channel_closes_and_its_latent_slots_are_freed(actor):
+    before = ray.get(actor.stats.remote())
+    user = _ChannelUser.remote(actor, "short-lived")
+    rng = np.random.default_rng(2)
+    transport, _ = ray.get(user.run.remote(rng.normal(size=(6, 4)).astype(np.float32),
+                                           [rng.integers(0, 3, size=6) for _ in range(3)]))
+    assert transport == "channel"
+    during = ray.get(actor.stats.remote())
+    assert during["free_slots"] == before["free_slots"] - 4 * 6 and "short-lived" in during["channel_clients"]
+    ray.kill(user)  # no release, no close: the process just ends
+    deadline = time.monotonic() + 30
+    after = during
+    while time.monotonic() < deadline and "short-lived" in after["channel_clients"]:
+        time.sleep(0.2)
+        after = ray.get(actor.stats.remote())
+    assert "short-lived" not in after["channel_clients"]
+    assert after["free_slots"] == before["free_slots"] and after["gone_clients"] > during["gone_clients"]
+    # The server goes on serving channel clients.
+    assert ray.get(_ChannelUser.remote(actor, "next").run.remote(np.zeros((2, 4), np.float32), []))[0] == "channel"

@@ -19,6 +19,7 @@ visible in program order (x86-64); elsewhere clients use Ray calls.
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
 import time
@@ -47,16 +48,41 @@ def specs(max_rows: int, obs_rows: int, obs_shape: tuple[int, ...], obs_dtype: n
     return out
 
 
-class ServerChannel:
-    """The actor's side of one client's channel."""
+def process_token(pid: int) -> str | None:
+    """Something that stays the same while process `pid` (on this node) lives: its start time from /proc on
+    Linux (a reused pid gets another), else "alive"; None when there is no such process or it is a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ... starttime at 19
+        return None if fields[0] in ("Z", "X") else fields[19]
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc: a signal 0 says whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "alive"
 
-    def __init__(self, client: str, arrays: dict[str, np.ndarray], owner: object = None):
+
+class ServerChannel:
+    """The actor's side of one client's channel; `pid`: the client's process, if it said (the poller then closes
+    the channel, and the server frees the client's latent slots, soon after that process ends)."""
+
+    def __init__(self, client: str, arrays: dict[str, np.ndarray], owner: object = None, pid: int | None = None):
         self.client = client
         self.arrays = arrays
         self.owner = owner  # the shared arrays' descriptors close when it goes
         self.header = arrays["header"]
         self.seen = int(self.header[REQ])
         self.last_active = time.monotonic()
+        self.pid = pid
+        self.token = process_token(pid) if pid is not None else None
+
+    def client_gone(self) -> bool:
+        return self.pid is not None and process_token(self.pid) != self.token
 
     def request(self) -> tuple[int, int, Any]:
         """(kind, rows, payload) of the request just seen; the payload views the channel."""
@@ -93,12 +119,14 @@ class ServerChannel:
 
 class Poller:
     """A thread that watches every open channel and hands new requests to `on_request(channel, seq)` (called
-    on this thread; the server forwards them to its event loop). Channels idle longer than `idle_timeout_s`
-    (if > 0) are closed: a client that comes back opens a new one."""
+    on this thread; the server forwards them to its event loop). Once a second it closes the channels of clients
+    whose process ended (then calls `on_gone(client)`) and those idle longer than `idle_timeout_s` (if > 0): a
+    client that comes back opens a new one."""
 
     def __init__(self, on_request: Callable[[ServerChannel, int], None], idle_timeout_s: float = 0.0,
-                 sleep_s: float = 20e-6):
+                 sleep_s: float = 20e-6, on_gone: Callable[[str], None] | None = None):
         self.on_request = on_request
+        self.on_gone = on_gone
         self.idle_timeout_s = idle_timeout_s
         self.sleep_s = sleep_s
         self.channels: dict[str, ServerChannel] = {}
@@ -120,6 +148,13 @@ class Poller:
             channel.close()
         return channel is not None
 
+    def _drop(self, channel: ServerChannel) -> None:
+        """Close `channel` if it is still its client's (the client may have opened a new one meanwhile)."""
+        with self._lock:
+            if self.channels.get(channel.client) is channel:
+                del self.channels[channel.client]
+        channel.close()
+
     def _run(self) -> None:
         last_sweep = time.monotonic()
         while True:  # a daemon thread: it ends with the actor's process
@@ -137,11 +172,19 @@ class Poller:
                     except Exception as error:  # noqa: BLE001 - this request fails, the poller goes on
                         channel.fail(seq, InferenceError(f"channel: {type(error).__name__}: {error}"))
             now = time.monotonic()
-            if self.idle_timeout_s > 0 and now - last_sweep > 1.0:
+            if now - last_sweep > 1.0:
                 last_sweep = now
                 for channel in channels:
-                    if now - channel.last_active > self.idle_timeout_s and channel.seen == int(channel.header[DONE]):
-                        self.remove(channel.client)
+                    if channel.client_gone():
+                        if self.on_gone is not None:
+                            try:
+                                self.on_gone(channel.client)
+                            except Exception:  # noqa: BLE001 - clean-up of a gone client; the poller goes on
+                                pass
+                        self._drop(channel)
+                    elif (self.idle_timeout_s > 0 and now - channel.last_active > self.idle_timeout_s
+                          and channel.seen == int(channel.header[DONE])):
+                        self._drop(channel)
             if not busy:
                 time.sleep(self.sleep_s)
 
@@ -173,7 +216,8 @@ class InferenceClient:
         import ray
 
         here = ray.get_runtime_context().get_node_id()
-        info = ray.get(self.server.open_channel.remote(self.client_id, self.max_rows, self.obs_rows, here))
+        info = ray.get(self.server.open_channel.remote(self.client_id, self.max_rows, self.obs_rows, here,
+                                                       os.getpid()))
         if info is None:  # another node, channels off, or no room in /dev/shm
             self.arrays = None
             return
@@ -249,7 +293,8 @@ class InferenceClient:
 
 
 def create(client: str, max_rows: int, obs_rows: int, obs_shape: tuple[int, ...],
-           obs_dtype: np.dtype, num_actions: int) -> tuple[ServerChannel, dict[str, str]] | None:
+           obs_dtype: np.dtype, num_actions: int, pid: int | None = None
+           ) -> tuple[ServerChannel, dict[str, str]] | None:
     """A new channel in /dev/shm (None if there is no room); the paths the client maps it by."""
     owner = _Owner()
     made = shared.create(owner, specs(max_rows, obs_rows, obs_shape, obs_dtype, num_actions),
@@ -257,7 +302,7 @@ def create(client: str, max_rows: int, obs_rows: int, obs_shape: tuple[int, ...]
     if made is None:
         return None
     arrays, paths = made
-    return ServerChannel(client, arrays, owner), paths
+    return ServerChannel(client, arrays, owner, pid), paths
 
 
 class _Owner:

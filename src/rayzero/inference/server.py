@@ -131,6 +131,7 @@ class InferenceServer:
         self._t0 = time.perf_counter()
         self._trace: list[dict[str, Any]] | None = None
         self._poller: channels.Poller | None = None
+        self.gone_clients = 0  # channel clients whose process ended (their latent slots were freed)
         self._channel_loop: asyncio.AbstractEventLoop | None = None
 
     # -- public API (async actor methods) -------------------------------------------------------------
@@ -175,26 +176,37 @@ class InferenceServer:
         return await self._submit(("search", config), client, (obs, mask), len(obs))
 
     async def open_channel(self, client: str, max_rows: int, obs_rows: int = 0,
-                           node_id: str | None = None) -> dict[str, Any] | None:
+                           node_id: str | None = None, pid: int | None = None) -> dict[str, Any] | None:
         """A shared-memory channel for `client` (replacing its previous one): recurrent requests of up to max_rows
         rows and initial requests of up to obs_rows observations. Returns {'paths': {tag: path}} for
         `channel.InferenceClient`, or None when the client must use Ray calls: channels off, `node_id` (the
-        client's Ray node) not this actor's node, stores not ordered on this machine, or no room in /dev/shm."""
+        client's Ray node) not this actor's node, stores not ordered on this machine, or no room in /dev/shm.
+        pid: the client's process; when it ends, its channel closes and its latent slots are freed."""
         for name, value, low in (("max_rows", max_rows, 1), ("obs_rows", obs_rows, 0)):
             if not isinstance(value, (int, np.integer)) or not low <= value <= 1 << 20:
                 self.errors += 1
                 raise InferenceError(f"open_channel: {name}={value!r} must be an integer in [{low}, {1 << 20}]")
+        if pid is not None and (not isinstance(pid, (int, np.integer)) or pid <= 0):
+            self.errors += 1
+            raise InferenceError(f"open_channel: pid={pid!r} must be a positive integer (the client's process id)")
         if not self.cfg.channels or not channels.ORDERED_STORES or node_id != self._node_id():
             return None
-        made = channels.create(client, int(max_rows), int(obs_rows), self.obs_shape, self.obs_dtype, self.num_actions)
+        made = channels.create(client, int(max_rows), int(obs_rows), self.obs_shape, self.obs_dtype, self.num_actions,
+                               None if pid is None else int(pid))
         if made is None:
             return None
         channel, paths = made
         if self._poller is None:
             self._channel_loop = asyncio.get_running_loop()
-            self._poller = channels.Poller(self._on_channel_request, self.cfg.latent_timeout_s)
+            self._poller = channels.Poller(self._on_channel_request, self.cfg.latent_timeout_s,
+                                           on_gone=self._on_client_gone)
         self._poller.add(channel)
         return {"paths": paths}
+
+    def _on_client_gone(self, client: str) -> None:
+        """Poller thread: the process of a channel's client ended; free its latent slots (the pool locks)."""
+        self.pool.release(client)
+        self.gone_clients += 1
 
     async def close_channel(self, client: str) -> bool:
         """Close `client`'s channel (its latent slots stay until `release`)."""
@@ -263,6 +275,8 @@ class InferenceServer:
         return {"version": self.version, "errors": self.errors, "requests": self.requests, "buckets": buckets,
                 "free_slots": self.pool.free, "clients": self.pool.clients,
                 "reclaimed_clients": self.pool.reclaimed_clients, "device": str(self.device),
+                "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
+                "gone_clients": self.gone_clients,
                 "cuda_graphs": len(self.runner.graphs), "search_graphs": len(self.runner.searches),
                 "capture_s": self.runner.capture_s,
                 "cache": self.cache.stats() if self.cache is not None else None}
