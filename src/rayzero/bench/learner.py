@@ -35,7 +35,7 @@ import ray
 
 from rayzero.bench.common import write_json
 from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
-from rayzero.learner.group import LearnerGroup
+from rayzero.learner.group import PER_RANK, LearnerGroup
 from rayzero.learner.learner import Learner
 from rayzero.replay.buffer import ReplayBuffer, Segment
 
@@ -136,7 +136,7 @@ def _bare(sizes: Sizes, learner: Any, replay: Any, batch: int, steps: int) -> di
 def _timed_calls(learner: Any, replay: Any, world: int, steps: int, calls: int) -> dict[str, Any]:
     """`calls` train calls of `steps` steps, each followed by a weight fetch as the driver does; wall time and
     where it went, per call and per rank."""
-    per_rank = {key: np.zeros(world) for key in ("input_wait_s", "gc_ms", "launch_s", "call_s", "manual_gc_ms")}
+    per_rank = {key: np.zeros(world) for key in PER_RANK}
     call_ms, weights_ms = [], []
     start = time.perf_counter()
     for _ in range(calls):

@@ -35,6 +35,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayzero.learner import checkpoint as ckpt
 
 
+# Timings of a train call that differ between ranks (the group's result is rank 0's, plus these as lists).
+PER_RANK = ("input_wait_s", "gc_ms", "manual_gc_ms", "launch_s", "call_s")
+
+
 def log(message: str) -> None:
     print(f"rayzero: learner group: {message}", file=sys.stderr, flush=True)
 
@@ -260,11 +264,8 @@ class LearnerGroup:
         per_rank = [(shards[r % len(shards)], num_steps) for r in range(self.num_learners)]
         results = self._all("train", per_rank)
         result = results[0]
-        result.update(restarts=self.restarts, num_learners=self.num_learners,
-                      input_wait_s_per_rank=[r["input_wait_s"] for r in results],
-                      gc_ms_per_rank=[r["gc_ms"] for r in results],
-                      launch_s_per_rank=[r["launch_s"] for r in results],
-                      call_s_per_rank=[r["call_s"] for r in results])
+        result.update(restarts=self.restarts, num_learners=self.num_learners)
+        result.update({f"{key}_per_rank": [r.get(key, 0.0) for r in results] for key in PER_RANK})
         return result
 
     def train_on(self, per_rank_batches: list[list[Any]]) -> dict[str, Any]:

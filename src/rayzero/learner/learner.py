@@ -415,10 +415,9 @@ class Learner:
         result = self._result(num_steps, start, samples_before)
         # Seconds the training thread waited for a prepared batch (the input pipeline falling behind).
         result["input_wait_s"] = input_wait
-        # Seconds the training thread took to launch the call's steps, then to wait for the device and the ranks'
-        # metrics: launch_s near the whole call means the host, not the device, set the pace.
+        # Seconds the training thread took to launch the call's steps: near the whole call (call_s), the host, not
+        # the device, set the pace.
         result["launch_s"] = launched - start
-        result["drain_s"] = time.perf_counter() - launched
         self._outbox.flush()
         result["call_s"] = time.perf_counter() - start
         prefetcher = self._prefetcher
