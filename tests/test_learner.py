@@ -395,3 +395,26 @@ def test_flat_gradient_sync_keeps_each_gradient_in_its_parameters_layout():
             assert torch.equal(param.grad, grad)
     finally:
         dist.destroy_process_group()
+
+
+def test_loss_diagnostics_have_their_known_values():
+    """Zero-initialised heads: a uniform prior, values and rewards decoding to 0. Against a uniform target the
+    KL is 0 and the target entropy ln A; value and reward errors are the mean absolute targets."""
+    from rayzero.learner.loss import STAT_NAMES, MuZeroLoss
+    from rayzero.models import build_model
+
+    model = build_model(MODEL, (4,), 2)
+    batch = filled_replay().sample(16)
+    tensors = {name: torch.as_tensor(getattr(batch, name)) for name in (
+        "obs", "actions", "target_values", "target_rewards", "target_policies", "value_mask", "reward_mask",
+        "policy_mask", "weights")}
+    tensors["target_policies"] = torch.full_like(tensors["target_policies"], 0.5)
+    _, stats, _ = MuZeroLoss(model, 0.25)(tensors)
+    got = dict(zip(STAT_NAMES, stats.tolist()))
+    assert got["target_entropy"] == pytest.approx(np.log(2), rel=1e-5)
+    assert got["policy_kl"] == pytest.approx(0.0, abs=1e-5)
+    value_mask = batch.value_mask[:, 0]
+    assert got["value_error"] == pytest.approx(np.mean(np.abs(batch.target_values[:, 0]) * value_mask), rel=1e-4)
+    K = batch.actions.shape[1]
+    reward_error = (np.abs(batch.target_rewards[:, 1:]) * batch.reward_mask[:, 1:]).sum(1) / K
+    assert got["reward_error"] == pytest.approx(reward_error.mean(), rel=1e-4)

@@ -219,7 +219,8 @@ def test_frame_storage_restacks_exactly_through_eviction_and_snapshots(tmp_path)
 
     check(frames)
     for name, array in frames._arrays.items():
-        np.testing.assert_array_equal(sent_as_frames._arrays[name], array, err_msg=name)
+        if name != "added_time":  # wall-clock times of two buffers filled one after the other
+            np.testing.assert_array_equal(sent_as_frames._arrays[name], array, err_msg=name)
     frames.snapshot(tmp_path / "frames.npz")
     restored = ReplayBuffer(cfg, seed=0)
     restored.restore(tmp_path / "frames.npz")
@@ -230,3 +231,39 @@ def test_frame_storage_restacks_exactly_through_eviction_and_snapshots(tmp_path)
         ReplayBuffer(dataclasses.replace(plain_cfg, capacity=60), 0).restore(tmp_path / "frames.npz")
     with pytest.raises(ValueError, match="image observations"):
         ReplayBuffer(cfg, 0).add(segment(10, obs_dim=3))
+
+
+def test_sampling_diagnostics_have_their_known_values():
+    """Uniform sampling: importance weights all 1 (effective size = the batch); every stored reward is 1 and the
+    absorbing steps past a terminal end have reward 0; a sample's age in transitions is what was added after it."""
+    from rayzero.replay.buffer import diagnostic_means
+
+    buffer = ReplayBuffer(ReplayConfig(capacity=100, unroll_steps=2, td_steps=2, priority_alpha=0.0, min_size=0), seed=0)
+    buffer.add(segment(10))
+    buffer.add(segment(10))
+    first = buffer.stats()
+    batch = buffer.sample(64)
+    means = diagnostic_means(buffer.stats(), first)
+    assert means["sample_is_weight_mean"] == 1.0 and means["sample_is_weight_ess"] == pytest.approx(1.0)
+    offset = batch.indices % 10  # two terminal segments of 10 steps; unroll steps k = 1, 2 follow step offset+k-1
+    inside = (offset[:, None] + np.arange(2)[None, :]) < 10
+    assert means["sample_reward_nonzero"] == pytest.approx(inside.mean())
+    expected_age = np.mean(np.where(batch.indices < 10, 10, 0))  # the first segment's positions saw 10 more
+    assert means["sample_age_transitions"] == pytest.approx(expected_age)
+    assert 0 <= means["sample_age_seconds"] < 60
+    assert diagnostic_means(buffer.stats(), buffer.stats()) == {}  # no batch in between
+
+
+def test_a_dominant_importance_weight_shows_as_a_small_effective_batch():
+    """alpha = beta = 1 with one position fit far better than the rest: that position's weight dominates."""
+    from rayzero.replay.buffer import diagnostic_means
+
+    buffer = ReplayBuffer(ReplayConfig(capacity=100, unroll_steps=2, td_steps=2, min_size=0), seed=0)
+    buffer.add(segment(40))
+    buffer.update_priorities(np.arange(40), buffer._arrays["generation"][:40], np.r_[1e-4, np.ones(39)])
+    while True:  # a batch that holds the well-fit position
+        before = buffer.stats()
+        batch = buffer.sample(32)
+        if 0 in batch.indices:
+            break
+    assert diagnostic_means(buffer.stats(), before)["sample_is_weight_ess"] < 0.1

@@ -352,14 +352,16 @@ class InferenceConfig:
 class ClusterConfig:
     """Ray resources; `rayzero.cluster` is the only place that reads this."""
 
-    num_selfplay_actors: int = 1
-    """Self-play actors (each steps env.num_envs envs)."""
+    num_selfplay_actors: int = 0
+    """Self-play actors (each steps env.num_envs envs); 0 = from the host: the CPUs left after the learner, the
+    inference actor and (above 4 CPUs) 2 for the driver and replay, at least 1."""
     selfplay_cpus: float = 1.0
     """CPUs reserved per self-play actor."""
     learner_cpus: float = 1.0
     """CPUs reserved for the learner."""
     learner_gpus: float = 0.0
-    """GPUs per learner rank (0 = CPU; 'auto' is resolved by the learner's device setting)."""
+    """GPUs per learner rank (0 = from learner.device and the host: a whole GPU when there are two or more,
+    half of the only one otherwise, the inference actor taking the other half; none without GPUs)."""
     num_learners: int = 1
     """Learner ranks (DDP); > 1 needs GPUs or uses gloo on the CPU."""
     replay_cpus: float = 0.0
@@ -390,7 +392,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check("cluster", self, [
-            ("num_selfplay_actors", self.num_selfplay_actors >= 1, ">= 1"),
+            ("num_selfplay_actors", self.num_selfplay_actors >= 0, ">= 0 (0 = from the host's CPUs)"),
             ("selfplay_cpus", self.selfplay_cpus >= 0, ">= 0"),
             ("learner_cpus", self.learner_cpus >= 0, ">= 0"),
             ("learner_gpus", self.learner_gpus >= 0, ">= 0"),

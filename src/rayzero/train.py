@@ -21,6 +21,7 @@ from rayzero import cluster
 from rayzero.config import Config, to_yaml
 from rayzero.envs import env_spec
 from rayzero.learner import checkpoint as ckpt
+from rayzero.replay.buffer import diagnostic_means
 from rayzero.storage import RunStorage
 
 
@@ -124,6 +125,9 @@ class Driver:
         self.stop_reason = ""
         self.solved_weights: Any = None
         self.interrupt_requested = False  # set by Ctrl-C (SIGINT)
+        self.learner_version = 0  # of the weights the learner last published
+        self.acting_versions: dict[int, int] = {}  # self-play actor -> weight version of its last collect
+        self.replay_stats_before: dict | None = None  # replay diagnostics at the previous progress row
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -294,6 +298,7 @@ class Driver:
                         next_index += 1
                         continue
                     self.active.add(index)
+                    self.acting_versions[index] = result["version"]
                     losses_in_a_row = 0
                     self.env_steps += result["env_steps"]
                     self.replay_transitions += result["transitions_sent"]
@@ -306,6 +311,7 @@ class Driver:
                         print(f"rayzero: the learner group restarted from its last checkpoint "
                               f"(learner steps {self.learner_steps} -> {result['learner_steps']})", flush=True)
                     self.learner_steps = result["learner_steps"]
+                    self.learner_version = result["version"]
                     self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float)}
                     weights = handles.learner.weights.remote()
                     if handles.inference is not None:
@@ -378,8 +384,14 @@ class Driver:
         }
         if recent:
             row["train_return_mean"] = float(np.mean(recent))
+        acting = [self.acting_versions[i] for i in self.active if i in self.acting_versions]
+        if acting:  # how many published versions behind the learner self-play acts
+            row["selfplay_version_lag"] = float(self.learner_version - np.mean(acting))
         try:
-            row["replay_size"] = handles.replay.stats(timeout=10)["size"]
+            replay_stats = handles.replay.stats(timeout=10)
+            row["replay_size"] = replay_stats["size"]
+            row.update(diagnostic_means(replay_stats, self.replay_stats_before))
+            self.replay_stats_before = replay_stats
         except ray.exceptions.GetTimeoutError:
             pass
         log.write(row)

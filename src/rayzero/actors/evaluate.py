@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -20,22 +22,35 @@ def greedy(search_cfg: SearchConfig) -> SearchConfig:
 
 
 def play_episodes(
-    env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int
+    env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int,
+    versions: list[int] | None = None,
 ) -> list[float]:
-    """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns."""
+    """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns.
+
+    An evaluator with `whole_search` (the inference actor on a GPU) runs each step's search there, with the
+    weights it holds at that moment; `versions`, when given, receives the weight version of every step."""
     env = make_vector_env(env_cfg, episodes, seed, training=False)
     config = greedy(search_cfg)
     generator = torch.Generator().manual_seed(seed)
+    remote = getattr(evaluator, "whole_search", False)
     try:
         obs = env.reset(seed=seed)
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
         for _ in range(max_steps):
-            with torch.inference_mode():
-                root = evaluator.root(obs)
-                out = search(root, evaluator.recurrent_fn, config.num_simulations, config, generator=generator)
-            evaluator.release()
-            result = env.step(out.action.cpu().numpy())
+            if remote:
+                answer = evaluator.search(obs, config.temperature, dirichlet_fraction=config.dirichlet_fraction,
+                                          gumbel_scale=config.gumbel_scale)
+                action = np.asarray(answer["action"])
+                if versions is not None:
+                    versions.append(int(answer["version"]))
+            else:
+                with torch.inference_mode():
+                    root = evaluator.root(obs)
+                    out = search(root, evaluator.recurrent_fn, config.num_simulations, config, generator=generator)
+                evaluator.release()
+                action = out.action.cpu().numpy()
+            result = env.step(action)
             returns += np.where(done, 0.0, result.reward)
             done |= result.terminated | result.truncated
             obs = result.obs
@@ -50,20 +65,35 @@ class EvalWorker:
     """Evaluates published weights in its own process (a Ray actor made in cluster/)."""
 
     def __init__(self, env_cfg: EnvConfig, model_cfg: ModelConfig, search_cfg: SearchConfig, discount: float,
-                 torch_threads: int = 1):
+                 torch_threads: int = 1, server: Any = None):
+        """server: the inference actor, when it runs whole searches on a GPU: evaluation then searches there
+        (a CPU copy of an image network would take minutes per evaluation)."""
         from rayzero.envs import env_spec
 
         torch.set_num_threads(torch_threads)
         spec = env_spec(env_cfg)
         self.env_cfg, self.search_cfg = env_cfg, search_cfg
-        self.evaluator = LocalEvaluator(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
+        if server is not None:
+            from rayzero.actors.evaluator import RemoteEvaluator
+
+            self.evaluator = RemoteEvaluator(server, discount, f"eval-{os.getpid()}", whole_search=True)
+        else:
+            self.evaluator = LocalEvaluator(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
 
     def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int) -> dict[str, Any]:
+        """Greedy episodes with `weights`; through the inference actor, with the weights it holds while the
+        episodes play (the result's `version` is then the first step's, `last_version` the last step's)."""
         version, state_dict = weights
         self.evaluator.set_weights(state_dict)
-        returns = play_episodes(self.env_cfg, self.evaluator, self.search_cfg, episodes, max_steps, seed)
-        return {"version": version, "returns": returns, "mean": float(np.mean(returns)),
-                "std": float(np.std(returns))}
+        versions: list[int] = []
+        start = time.perf_counter()
+        returns = play_episodes(self.env_cfg, self.evaluator, self.search_cfg, episodes, max_steps, seed, versions)
+        result = {"version": versions[0] if versions else version, "returns": returns,
+                  "mean": float(np.mean(returns)), "std": float(np.std(returns)),
+                  "seconds": time.perf_counter() - start, "steps": len(versions)}
+        if versions:
+            result["last_version"] = versions[-1]
+        return result
 
 
 def record_gif(env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, path: str, max_steps: int,

@@ -64,11 +64,12 @@ class RemoteEvaluator:
         self.channel = channel
         self.client: Any = None  # an InferenceClient, opened at the first root (sized by its batch)
 
-    def search(self, obs: np.ndarray, temperature: float) -> dict[str, np.ndarray]:
-        """A whole search on the inference actor: action [B], action_weights [B, A], root_value [B]."""
+    def search(self, obs: np.ndarray, temperature: float, **overrides: Any) -> dict[str, np.ndarray]:
+        """A whole search on the inference actor: action [B], action_weights [B, A], root_value [B], version (of
+        the weights it searched with). overrides: other SearchConfig fields for this search (greedy evaluation)."""
         import ray
 
-        return ray.get(self.server.search.remote(self.client_id, obs, temperature=temperature))
+        return ray.get(self.server.search.remote(self.client_id, obs, temperature=temperature, **overrides))
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The inference actor receives weights from the driver directly."""

@@ -92,6 +92,7 @@ class SelfPlayWorker:
         if getattr(self.evaluator, "whole_search", False):
             answer = self.evaluator.search(self.obs, temperature)
             actions, policy, root_value = answer["action"], answer["action_weights"], answer["root_value"]
+            self.version = int(answer.get("version", self.version))  # the weights the inference actor acted with
         else:
             config = dataclasses.replace(self.search_cfg, temperature=temperature)
             # Inference mode: no autograd bookkeeping on the search's many small ops (cartpole preset on

@@ -51,6 +51,11 @@ class Plan:
     learner_device: str
     inference_device: str
     reanalyse: dict[str, Any] | None = None  # None: reanalyse is off
+    num_selfplay_actors: int = 1
+
+
+SHARED_GPU_LEARNER = 0.5
+"""The learner's share of a host's only GPU; the inference actor takes the rest."""
 
 
 def plan(config: Config, available: dict[str, float]) -> Plan:
@@ -67,10 +72,25 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         raise ConfigError(f"cluster.learner_gpus={learner_gpus} x cluster.num_learners={c.num_learners} needs "
                          f"{all_learner_gpus} GPUs but the cluster has {gpus}")
     mode = config.inference.mode
+    # One GPU and nothing pinned: the learner and the inference actor share it (the learner alone on it left
+    # self-play searching with a CPU copy of the network, at a few dozen env steps per second).
+    share = (gpus >= 1 and c.num_learners == 1 and c.learner_gpus == 0 and c.inference_gpus == 0
+             and config.learner.device in ("auto", "cuda") and mode in ("auto", "central")
+             and config.inference.device in ("auto", "cuda") and gpus < 2)
+    if share:
+        learner_gpus, all_learner_gpus, mode = SHARED_GPU_LEARNER, SHARED_GPU_LEARNER, "central"
     if mode == "auto":
         mode = "central" if gpus >= all_learner_gpus + 1 else "local"
     inference_gpus = c.inference_gpus or (1.0 if mode == "central" and gpus >= all_learner_gpus + 1 else 0.0)
+    if share:
+        inference_gpus = 1.0 - SHARED_GPU_LEARNER
+    cpus = int(available.get("CPU", 1))
+    selfplay_actors = c.num_selfplay_actors
+    if selfplay_actors == 0:  # auto: the cores that the learner, the inference actor and the driver leave
+        reserved = c.learner_cpus * c.num_learners + (1 if mode == "central" else 0) + (2 if cpus > 4 else 0)
+        selfplay_actors = max(1, int((cpus - reserved) // max(c.selfplay_cpus, 1.0)))
     return Plan(
+        num_selfplay_actors=selfplay_actors,
         replay={"num_cpus": c.replay_cpus, "max_restarts": 0},
         learner={"num_cpus": c.learner_cpus, "num_gpus": learner_gpus},
         # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them.
@@ -181,9 +201,6 @@ def build(config: Config, spec: EnvSpec) -> Handles:
         for i in range(num_replay_shards(config))
     ])
     learner = build_learner_group(config, spec, p)
-    evaluator = ray.remote(EvalWorker).options(**p.evaluator).remote(
-        config.env, config.model, config.search, config.replay.discount, c.torch_threads
-    )
     inference = None
     if p.inference is not None:
         inference_cfg = dataclasses.replace(config.inference, device=p.inference_device)
@@ -191,9 +208,14 @@ def build(config: Config, spec: EnvSpec) -> Handles:
             config.model, inference_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads,
             obs_dtype=spec.observation_dtype, search_cfg=config.search, discount=config.replay.discount,
         )
+    # On a GPU, evaluation searches through the inference actor, as self-play does.
+    evaluator = ray.remote(EvalWorker).options(**p.evaluator).remote(
+        config.env, config.model, config.search, config.replay.discount, c.torch_threads,
+        server=inference if p.inference_device == "cuda" else None,
+    )
     # Elastic self-play: actors beyond what fits now stay pending; pending actors are the resource demand
     # that an autoscaler acts on, and they start as soon as a node with room joins.
-    target = max(c.num_selfplay_actors, c.max_selfplay_actors)
+    target = max(p.num_selfplay_actors, c.max_selfplay_actors)
     if c.request_resources:
         from ray.autoscaler.sdk import request_resources
 

@@ -27,7 +27,10 @@ from torch.nn import functional as F
 from rayzero.models.networks import MuZeroNet
 from rayzero.models.support import scalar_to_support, support_to_scalar
 
-STAT_NAMES = ("policy_loss", "value_loss", "reward_loss", "consistency_loss")
+STAT_NAMES = ("policy_loss", "value_loss", "reward_loss", "consistency_loss",
+              # Learning diagnostics, batch means: |v_0 - z_0| and |r_k - u_k| in reward units (decoded from the
+              # supports), the entropy of the search policy at the root of the unroll, and KL(search || prior).
+              "value_error", "reward_error", "target_entropy", "policy_kl")
 
 
 class LossOutput(NamedTuple):
@@ -66,7 +69,7 @@ class ConsistencyHeads(nn.Module):
 
 
 class MuZeroLoss(nn.Module):
-    """forward(batch) -> (loss [], stats [4] detached means of STAT_NAMES, priorities [B] detached).
+    """forward(batch) -> (loss [], stats [len(STAT_NAMES)] detached means, priorities [B] detached).
 
     batch: device tensors of a replay `Batch`: obs [B, *obs], actions [B, K], target_values/target_rewards
     [B, K+1], target_policies [B, K+1, A], value/reward/policy_mask [B, K+1], weights [B]; with consistency
@@ -99,6 +102,11 @@ class MuZeroLoss(nn.Module):
         reward_loss = torch.zeros_like(policy_loss)
         consistency_loss = torch.zeros_like(policy_loss)
         priorities = (support_to_scalar(value_logits.detach(), support) - batch["target_values"][:, 0]).abs()
+        with torch.no_grad():
+            target = batch["target_policies"][:, 0].float()
+            target_entropy = -(target * target.clamp_min(1e-12).log()).sum(-1)
+            policy_kl = policy_loss.detach() - target_entropy * policy_mask[:, 0]
+            reward_error = torch.zeros_like(priorities)
 
         use_consistency = self.consistency is not None and self.consistency_weight > 0
         if use_consistency:
@@ -128,6 +136,10 @@ class MuZeroLoss(nn.Module):
             reward_loss = reward_loss + step_scale * _cross_entropy(
                 reward_logits, reward_targets[:, k]
             ) * reward_mask[:, k]
+            if not model.value_prefix:
+                with torch.no_grad():
+                    reward_error = reward_error + step_scale * reward_mask[:, k] * (
+                        support_to_scalar(reward_logits.detach(), support) - batch["target_rewards"][:, k]).abs()
             if use_consistency:
                 online = self.consistency.predict(latent).float()
                 cosine = F.cosine_similarity(online, targets[:, k - 1], dim=-1, eps=1e-5)
@@ -137,7 +149,9 @@ class MuZeroLoss(nn.Module):
         if use_consistency:
             per_sample = per_sample + self.consistency_weight * consistency_loss
         loss = (batch["weights"] * per_sample).mean()
-        stats = torch.stack([policy_loss.mean(), value_loss.mean(), reward_loss.mean(), consistency_loss.mean()])
+        stats = torch.stack([policy_loss.mean(), value_loss.mean(), reward_loss.mean(), consistency_loss.mean(),
+                             (priorities * value_mask[:, 0]).mean(), reward_error.mean(), target_entropy.mean(),
+                             policy_kl.mean()])
         return loss, stats.detach(), priorities
 
 

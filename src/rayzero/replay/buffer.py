@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,6 +39,20 @@ def frame_slots(positions: np.ndarray, stack: int) -> np.ndarray:
     """The slots holding the observations at `positions`: the positions themselves (stack 1), or in frame mode
     [*positions.shape, stack], the frames ending at each position (oldest first: the stacked layout)."""
     return positions if stack == 1 else positions[..., None] + np.arange(1 - stack, 1)
+
+
+DIAGNOSTIC_SUMS = ("batches", "age_seconds", "age_transitions", "is_weight_mean", "is_weight_ess", "reward_nonzero")
+"""Running sums over sampled batches kept by `ReplayBuffer.stats` (each a batch mean, summed over batches)."""
+
+
+def diagnostic_means(now: dict, before: dict | None) -> dict[str, float]:
+    """Per-batch means of the replay diagnostics between two `stats()` readings (`before` None: since start)."""
+    before = before or {}
+    batches = now.get("sampled_batches", 0.0) - before.get("sampled_batches", 0.0)
+    if batches <= 0:
+        return {}
+    return {f"sample_{name}": (now[f"sampled_{name}"] - before.get(f"sampled_{name}", 0.0)) / batches
+            for name in DIAGNOSTIC_SUMS if name != "batches"}
 
 
 class Segment(NamedTuple):
@@ -108,6 +123,8 @@ class ReplayBuffer:
         self.stack = cfg.frame_stack if cfg.frame_stack > 1 else 1  # frames per observation
         self.history = self.stack - 1  # slots before a segment's first step (its first obs's older frames)
         self.obs_shape: tuple[int, ...] | None = None  # of one (stacked) observation
+        # Learning diagnostics of the batches sampled so far (running sums; see `stats`).
+        self.diagnostics = dict.fromkeys(DIAGNOSTIC_SUMS, 0.0)
 
     # -- storage -------------------------------------------------------------------------------------
 
@@ -140,6 +157,8 @@ class ReplayBuffer:
             "sampleable": np.zeros(cap, dtype=bool),
             "priority": np.zeros(cap, dtype=np.float64),
             "generation": np.zeros(cap, dtype=np.int64),
+            "added_time": np.zeros(cap, dtype=np.float64),  # wall-clock time the position was stored
+            "added_count": np.zeros(cap, dtype=np.int64),  # total_added when it was stored
         }
         self._share(keep=False)
 
@@ -246,6 +265,8 @@ class ReplayBuffer:
         a["held"][start:stop] = True
         a["sampleable"][start:stop] = False
         a["sampleable"][start : start + segment.num_sampleable] = True
+        a["added_time"][start:stop] = time.time()
+        a["added_count"][start:stop] = self.total_added + segment.num_sampleable  # age 0 until more arrive
         a["priority"][start:stop] = 0.0
         a["priority"][start : start + segment.num_sampleable] = self.max_priority
         self.tree.set_range(start, stop, 0.0)
@@ -276,7 +297,22 @@ class ReplayBuffer:
         probs = self.tree.weights(index) / self.tree.total
         is_weights = (self.num_sampleable * probs) ** (-self.cfg.priority_beta)
         is_weights = (is_weights / is_weights.max()).astype(np.float32)
-        return self._targets(index, is_weights, with_obs)
+        batch = self._targets(index, is_weights, with_obs)
+        self._record_diagnostics(batch)
+        return batch
+
+    def _record_diagnostics(self, batch: Batch) -> None:
+        """Adds one batch's data age, importance weights and reward density to the running sums."""
+        a, d = self._arrays, self.diagnostics
+        w = batch.weights.astype(np.float64)
+        mask = batch.reward_mask[:, 1:] > 0
+        d["batches"] += 1
+        d["age_seconds"] += float(time.time() - a["added_time"][batch.indices].mean())
+        d["age_transitions"] += float(self.total_added - a["added_count"][batch.indices].mean())
+        d["is_weight_mean"] += float(w.mean())
+        # Kish's effective sample size over the batch size: 1 = uniform weights, 1/B = one sample counts.
+        d["is_weight_ess"] += float(w.sum() ** 2 / max(1e-30, (w * w).sum()) / len(w))
+        d["reward_nonzero"] += float((batch.target_rewards[:, 1:][mask] != 0).mean()) if mask.any() else 0.0
 
     def obs_store(self) -> dict | None:
         """Where learners find the shared observation and generation arrays (None when they are private)."""
@@ -411,12 +447,15 @@ class ReplayBuffer:
         return updated
 
     def stats(self) -> dict:
+        """Counters, and the running sums of the sampled batches' diagnostics (`sampled_*`, over
+        `sampled_batches`): callers take differences between two calls and divide by the batches between."""
         return {
             "size": self.size,
             "sampleable": self.num_sampleable,
             "total_added": self.total_added,
             "segments_added": self.segments_added,
             "reanalysed": self.reanalysed,
+            **{f"sampled_{name}": value for name, value in self.diagnostics.items()},
         }
 
     def __len__(self) -> int:
@@ -461,6 +500,8 @@ class ReplayBuffer:
         if a is not None:
             self.obs_shape = tuple(meta["obs_shape"]) if meta.get("obs_shape") else tuple(a["obs"].shape[1:])
             a.setdefault("held", a["alive"].copy())  # snapshots from before frame storage
+            a.setdefault("added_time", np.zeros(self.capacity, dtype=np.float64))  # before diagnostics
+            a.setdefault("added_count", np.zeros(self.capacity, dtype=np.int64))
         if a is None:
             self.tree.set_all(np.zeros(self.capacity))
             return
