@@ -224,6 +224,9 @@ class Driver:
         env_steps_at_start = self.env_steps
         learner_steps_at_start = self.learner_steps
         start = self.start
+        # Transitions the ratio does not count: what self-play added while the learner's first call (and its
+        # compilation) ran, so the learner does not start a minute behind with self-play stalled.
+        ratio_base = 0.0
 
         while True:
             now = time.perf_counter()
@@ -242,14 +245,16 @@ class Driver:
             learner_samples = self.learner_steps * learner_cfg.batch_size * ranks
             # Ratio of learner samples to transitions that reached replay (env steps still in an actor's
             # segment buffer cannot be trained on yet).
-            target = learner_cfg.replay_ratio * self.replay_transitions
+            target = learner_cfg.replay_ratio * (self.replay_transitions - ratio_base)
             learner_ready = self.replay_transitions >= max(1, replay_cfg.min_size)
             if learner_ready and not shards_filled:  # every rank's shard must hold something to sample
                 shards_filled = learner_ready = handles.replay.all_sampleable()
             # Schedule self-play while the learner keeps up (always, until replay can feed the learner).
             temperature = temperature_at(run.temperature_schedule, self.learner_steps)
+            # Until the learner's first call returns (its compilation can take a minute) self-play runs freely.
+            throttle = learner_ready and self.learner_steps > learner_steps_at_start
             for i, actor in list(self.actors.items()):
-                if i not in busy and (not learner_ready or target <= learner_samples + slack):
+                if i not in busy and (not throttle or target <= learner_samples + slack):
                     ref = actor.collect.remote(run.selfplay_steps_per_call, temperature, weights)
                     pending[ref] = ("collect", i)
                     busy.add(i)
@@ -310,6 +315,9 @@ class Driver:
                     if result["learner_steps"] < self.learner_steps:
                         print(f"rayzero: the learner group restarted from its last checkpoint "
                               f"(learner steps {self.learner_steps} -> {result['learner_steps']})", flush=True)
+                    if self.learner_steps == learner_steps_at_start:  # the first call of this run
+                        samples = result["learner_steps"] * learner_cfg.batch_size * ranks
+                        ratio_base = max(0.0, self.replay_transitions - samples / learner_cfg.replay_ratio)
                     self.learner_steps = result["learner_steps"]
                     self.learner_version = result["version"]
                     self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float)}
