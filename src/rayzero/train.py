@@ -375,6 +375,7 @@ class Driver:
             "env_steps": self.env_steps, "learner_steps": self.learner_steps, "version": result["version"],
             "eval_return_mean": result["mean"], "eval_return_std": result["std"],
             "eval_episodes": len(result["returns"]),
+            **{f"eval_{key}": result[key] for key in ("seconds", "steps", "last_version") if key in result},
         })
         print(f"rayzero: eval v{result['version']}: {result['mean']:.1f} ± {result['std']:.1f} "
               f"over {len(result['returns'])} episodes", flush=True)
