@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rayzero.inference.channel import InferenceClient
 from rayzero.models.networks import MuZeroNet
 from rayzero.tree import RecurrentOutput, RootOutput
 
@@ -63,20 +64,38 @@ class RemoteEvaluator:
         self.whole_search = whole_search
         self.channel = channel
         self.client: Any = None  # an InferenceClient, opened at the first root (sized by its batch)
+        self.search_clients: dict[int, Any] = {}  # slot -> the InferenceClient its whole searches go through
 
     def search(self, obs: np.ndarray, temperature: float, **overrides: Any) -> dict[str, np.ndarray]:
         """A whole search on the inference actor: action [B], action_weights [B, A], root_value [B], version (of
-        the weights it searched with). overrides: other SearchConfig fields for this search (greedy evaluation)."""
-        import ray
+        the weights it searched with). overrides: other SearchConfig fields for this search (greedy evaluation,
+        through a Ray call); without them the search goes through a shared-memory channel where there is one."""
+        if overrides:
+            import ray
 
-        return ray.get(self.server.search.remote(self.client_id, obs, temperature=temperature, **overrides))
+            return ray.get(self.server.search.remote(self.client_id, obs, temperature=temperature, **overrides))
+        self.submit_search(obs, temperature)
+        return self.wait_search()
+
+    def submit_search(self, obs: np.ndarray, temperature: float, slot: int = 0) -> None:
+        """Send a whole search without waiting; `wait_search(slot)` collects it. Each slot holds one search in
+        flight (its own channel), so a caller can keep two going: one per half of its envs."""
+        client = self.search_clients.get(slot)
+        if client is None or len(obs) > client.obs_rows:
+            if client is not None:
+                client.close()
+            client = InferenceClient(self.server, f"{self.client_id}-search{slot}", len(obs), len(obs),
+                                     channel=self.channel)
+            self.search_clients[slot] = client
+        client.submit_search(obs, temperature)
+
+    def wait_search(self, slot: int = 0) -> dict[str, np.ndarray]:
+        return self.search_clients[slot].wait_search()
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The inference actor receives weights from the driver directly."""
 
     def _client(self, rows: int) -> Any:
-        from rayzero.inference.channel import InferenceClient
-
         if self.client is None or rows > self.client.obs_rows:
             if self.client is not None:
                 self.client.close()

@@ -1,5 +1,9 @@
 """The self-play role: steps a batch of envs, runs one batched search per step, sends segments to replay.
 
+With whole searches on the inference actor (a GPU host) the envs are split in two halves, each its own vector
+env with its own search in flight: while one half's search runs on the GPU the other half steps its envs, so
+neither the envs nor the actor wait idle for the other.
+
 Each env writes its steps into preallocated per-env arrays. A segment leaves when the episode ends, or when
 `segment_length + unroll_steps + td_steps` steps have piled up: then the first `segment_length` positions
 are sampleable and the rest is a tail that completes their targets; the tail stays and starts the next
@@ -38,9 +42,19 @@ class SelfPlayWorker:
     ):
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
-        self.env = make_vector_env(env_cfg, env_cfg.num_envs, seed, training=True)
-        spec = self.env.spec
         self.num_envs = env_cfg.num_envs
+        pipelined = (getattr(evaluator, "whole_search", False) and hasattr(evaluator, "submit_search")
+                     and self.num_envs >= 2)
+        sizes = [self.num_envs // 2, self.num_envs - self.num_envs // 2] if pipelined else [self.num_envs]
+        # One vector env per half; env i of the worker is row i of the buffers (half h holds rows offsets[h]...).
+        self.halves = []
+        offset = 0
+        for h, size in enumerate(sizes):
+            env = make_vector_env(env_cfg, size, seed + 7919 * h, training=True)
+            self.halves.append(_Half(env, np.arange(offset, offset + size), env.reset(seed=seed + 7919 * h)))
+            offset += size
+        self.env = self.halves[0].env
+        spec = self.env.spec
         self.search_cfg = search_cfg
         self.replay_cfg = replay_cfg
         self.sink = sink
@@ -49,7 +63,6 @@ class SelfPlayWorker:
         self.evaluator = evaluator
         self.generator = torch.Generator().manual_seed(seed)
         self.version = -1
-        self.obs = self.env.reset(seed=seed)
         self.tail = replay_cfg.unroll_steps + replay_cfg.td_steps
         self.window = replay_cfg.segment_length + self.tail
         E, W, A = self.num_envs, self.window, spec.num_actions
@@ -87,55 +100,84 @@ class SelfPlayWorker:
             bootstrap_value=bootstrap,
         )
 
+    @property
+    def obs(self) -> np.ndarray:
+        """[E, *obs] the observations every env acts on next."""
+        return np.concatenate([half.obs for half in self.halves]) if len(self.halves) > 1 else self.halves[0].obs
+
     def step(self, temperature: float) -> list[Segment]:
         """One env step of every env: search, act, record; returns the segments completed by this step."""
+        self._last_episodes = ([], [])
+        if len(self.halves) > 1:
+            return self._step_pipelined(temperature)
+        half = self.halves[0]
         if getattr(self.evaluator, "whole_search", False):
-            answer = self.evaluator.search(self.obs, temperature)
-            actions, policy, root_value = answer["action"], answer["action_weights"], answer["root_value"]
+            answer = self.evaluator.search(half.obs, temperature)
             self.version = int(answer.get("version", self.version))  # the weights the inference actor acted with
-        else:
-            config = dataclasses.replace(self.search_cfg, temperature=temperature)
-            # Inference mode: no autograd bookkeeping on the search's many small ops (cartpole preset on
-            # 2 CPU cores: 52 -> 43 ms per batched step, docs/benchmarks.md).
-            with torch.inference_mode():
-                root = self.evaluator.root(self.obs)
-                out = search(root, self.evaluator.recurrent_fn, config.num_simulations, config,
-                             generator=self.generator)
-            self.evaluator.release()
-            actions = out.action.cpu().numpy()
-            policy = out.action_weights.float().cpu().numpy()
-            root_value = out.root_value.float().cpu().numpy()
-        rows = np.arange(self.num_envs)
-        t = self.length
-        self.buf_obs[rows, t] = self.obs
+            return self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
+        config = dataclasses.replace(self.search_cfg, temperature=temperature)
+        # Inference mode: no autograd bookkeeping on the search's many small ops.
+        with torch.inference_mode():
+            root = self.evaluator.root(half.obs)
+            out = search(root, self.evaluator.recurrent_fn, config.num_simulations, config,
+                         generator=self.generator)
+        self.evaluator.release()
+        return self._advance(half, out.action.cpu().numpy(), out.action_weights.float().cpu().numpy(),
+                             out.root_value.float().cpu().numpy())
+
+    def _step_pipelined(self, temperature: float) -> list[Segment]:
+        """Each half in turn: collect its search, step its envs, send its next search. The other half's search
+        is in flight on the inference actor meanwhile; searches stay in flight between calls."""
+        for slot, half in enumerate(self.halves):
+            if not half.searching:
+                self.evaluator.submit_search(half.obs, temperature, slot)
+                half.searching = True
+        segments = []
+        for slot, half in enumerate(self.halves):
+            answer = self.evaluator.wait_search(slot)
+            half.searching = False
+            self.version = int(answer.get("version", self.version))
+            segments += self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
+            self.evaluator.submit_search(half.obs, temperature, slot)
+            half.searching = True
+        return segments
+
+    def _advance(self, half: "_Half", actions: np.ndarray, policy: np.ndarray,
+                 root_value: np.ndarray) -> list[Segment]:
+        """Record one searched step of `half`'s envs, step them, and cut the segments that this completes."""
+        rows = half.rows
+        t = self.length[rows]
+        self.buf_obs[rows, t] = half.obs
         self.buf_action[rows, t] = actions
         self.buf_policy[rows, t] = policy
         self.buf_value[rows, t] = root_value
-        result = self.env.step(actions)
+        result = half.env.step(actions)
         self.buf_reward[rows, t] = result.reward
-        self.length += 1
-        self.env_steps += self.num_envs
-        self.obs = result.obs
+        self.length[rows] += 1
+        self.env_steps += len(rows)
+        half.obs = result.obs
 
         segments = []
         ended = np.flatnonzero(result.terminated | result.truncated)
-        bootstrap = np.zeros(self.num_envs, dtype=np.float32)
+        bootstrap = np.zeros(len(rows), dtype=np.float32)
         truncated_only = ended[~result.terminated[ended]]
         if len(truncated_only):
             values = self.evaluator.root(result.final_obs[truncated_only]).value
             self.evaluator.release()
             bootstrap[truncated_only] = values.float().cpu().numpy()
-        for env in ended:
+        for i in ended:
+            env = int(rows[i])
             n = int(self.length[env])
-            segments.append(self._emit(env, n, n, bool(result.terminated[env]), float(bootstrap[env])))
+            segments.append(self._emit(env, n, n, bool(result.terminated[i]), float(bootstrap[i])))
             self.length[env] = 0
-        for env in np.flatnonzero(self.length == self.window):
+        for env in rows[self.length[rows] == self.window]:
             segments.append(self._emit(env, self.window, self.replay_cfg.segment_length, False, 0.0))
             keep = slice(self.window - self.tail, self.window)
             for buf in (self.buf_obs, self.buf_action, self.buf_reward, self.buf_policy, self.buf_value):
                 buf[env, : self.tail] = buf[env, keep]
             self.length[env] = self.tail
-        self._last_episodes = (result.episode_returns, result.episode_lengths)
+        self._last_episodes[0].extend(result.episode_returns)
+        self._last_episodes[1].extend(result.episode_lengths)
         return segments
 
     def collect(
@@ -168,3 +210,14 @@ class SelfPlayWorker:
             "version": self.version,
             "seconds": time.perf_counter() - start,
         }
+
+
+@dataclasses.dataclass
+class _Half:
+    """A vector env of some of the worker's envs: `rows` are their rows in the buffers; `obs` what they act on
+    next; `searching`: their search is in flight."""
+
+    env: Any
+    rows: np.ndarray
+    obs: np.ndarray
+    searching: bool = False

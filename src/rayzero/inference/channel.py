@@ -10,6 +10,9 @@ Layout of one channel (R = max_rows, O = obs_rows, A = actions):
   handles, actions int64 [R]; obs [O, *obs_shape] (initial requests; O may be 0)
   out float32 [R, 2 + A] (value, reward, policy logits); out_handles int64 [R]; error uint8 [ERROR_BYTES]
 
+Whole searches (kind SEARCH) carry their roots' observations in `obs` and the visit temperature in the store
+slot (in millionths); the answer's `out` rows are (root value, action, action weights [A]).
+
 Protocol (one request in flight per channel): the client writes the payload, then kind/rows/store, then bumps
 the request sequence; the actor's poller thread sees the new sequence and hands the request (views of the
 channel) to the same queues, batcher and validation as Ray calls; the answer is written into the channel, then
@@ -33,7 +36,8 @@ from rayzero.replay import shared
 
 HEADER = 8
 REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED = range(HEADER)
-INITIAL, RECURRENT = 1, 2
+INITIAL, RECURRENT, SEARCH = 1, 2, 3
+TEMPERATURE_SCALE = 1_000_000  # a search's temperature travels as an integer number of millionths
 ERROR_BYTES = 1024
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -92,15 +96,23 @@ class ServerChannel:
             return kind, rows, (a["handles"][:rows], a["actions"][:rows], bool(h[STORE]))
         if kind == INITIAL and "obs" in a:
             return kind, rows, a["obs"][:rows]
+        if kind == SEARCH and "obs" in a:
+            return kind, rows, (a["obs"][:rows], int(h[STORE]) / TEMPERATURE_SCALE)
         return kind, rows, None
 
     def reply(self, seq: int, answer: dict[str, Any]) -> None:
-        n = len(answer["value"])
         out = self.arrays["out"]
-        out[:n, 0] = answer["value"]
-        out[:n, 1] = answer["reward"]
-        out[:n, 2:] = answer["policy_logits"]
-        self.arrays["out_handles"][:n] = answer["handles"]
+        if "action_weights" in answer:  # a whole search
+            n = len(answer["action"])
+            out[:n, 0] = answer["root_value"]
+            out[:n, 1] = answer["action"]
+            out[:n, 2:] = answer["action_weights"]
+        else:
+            n = len(answer["value"])
+            out[:n, 0] = answer["value"]
+            out[:n, 1] = answer["reward"]
+            out[:n, 2:] = answer["policy_logits"]
+            self.arrays["out_handles"][:n] = answer["handles"]
         self.header[VERSION] = answer["version"]
         self.header[STATUS] = 0
         self.header[DONE] = seq
@@ -205,6 +217,7 @@ class InferenceClient:
         self.max_rows, self.obs_rows = int(max_rows), int(obs_rows)
         self.timeout_s = timeout_s
         self.arrays: dict[str, np.ndarray] | None = None
+        self._inflight: tuple[str, Any] | None = None  # the search submit_search sent and wait_search collects
         if channel and ORDERED_STORES:
             self._open()
 
@@ -256,15 +269,69 @@ class InferenceClient:
         a["actions"][:n] = actions
         return self._request(RECURRENT, n, store, lambda: self.recurrent(handles, actions, store))
 
+    def search(self, obs: np.ndarray, temperature: float) -> dict[str, Any]:
+        """A whole search for len(obs) roots: action [B] int64, action_weights [B, A], root_value [B], version."""
+        self.submit_search(obs, temperature)
+        return self.wait_search()
+
+    def submit_search(self, obs: np.ndarray, temperature: float) -> None:
+        """Send a whole search and return at once; `wait_search` gets its answer (one in flight per client)."""
+        if self._inflight is not None:
+            raise InferenceError(f"{self.client_id}: a search is already in flight on this client")
+        obs = np.asarray(obs)
+        a = self.arrays
+        if a is None or a["header"][CLOSED] or "obs" not in a or obs.ndim != a["obs"].ndim \
+                or obs.shape[1:] != a["obs"].shape[1:] or obs.dtype != a["obs"].dtype \
+                or not 0 < len(obs) <= self.obs_rows or not 0 <= temperature < 1e6:
+            self._inflight = ("ray", self.server.search.remote(self.client_id, obs, temperature=temperature))
+            return
+        a["obs"][:len(obs)] = obs
+        seq = self._send(SEARCH, len(obs), int(round(temperature * TEMPERATURE_SCALE)))
+        self._inflight = ("channel", (seq, len(obs), obs, temperature))
+
+    def wait_search(self) -> dict[str, Any]:
+        """The answer of the search `submit_search` sent."""
+        if self._inflight is None:
+            raise InferenceError(f"{self.client_id}: no search in flight on this client")
+        how, what = self._inflight
+        self._inflight = None
+        if how == "ray":
+            import ray
+
+            return ray.get(what)
+        seq, rows, obs, temperature = what
+        if not self._wait(seq):  # the channel closed under the request: send it again
+            return self.search(obs, temperature)
+        a = self.arrays
+        out = a["out"]
+        return {"action": out[:rows, 1].astype(np.int64), "action_weights": out[:rows, 2:].copy(),
+                "root_value": out[:rows, 0].copy(), "version": int(a["header"][VERSION])}
+
+    def _send(self, kind: int, rows: int, store: int) -> int:
+        h = self.arrays["header"]
+        h[KIND], h[ROWS], h[STORE] = kind, rows, store
+        seq = int(h[REQ]) + 1
+        h[REQ] = seq
+        return seq
+
     def _request(self, kind: int, rows: int, store: bool, again: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         a = self.arrays
         h = a["header"]
         if h[CLOSED]:  # the actor dropped this channel (idle too long): open a new one and send again
             self._open()
             return again()
-        h[KIND], h[ROWS], h[STORE] = kind, rows, int(store)
-        seq = int(h[REQ]) + 1
-        h[REQ] = seq
+        seq = self._send(kind, rows, int(store))
+        if not self._wait(seq):
+            return again()
+        out = a["out"]
+        return {"handles": a["out_handles"][:rows].copy(), "value": out[:rows, 0].copy(),
+                "reward": out[:rows, 1].copy(), "policy_logits": out[:rows, 2:].copy(), "version": int(h[VERSION])}
+
+    def _wait(self, seq: int) -> bool:
+        """Wait for the answer to request `seq`: True when it came (an error answer raises), False when the actor
+        closed the channel meanwhile (a new one is open then; the caller sends again)."""
+        a = self.arrays
+        h = a["header"]
         start = time.monotonic()
         next_ping = start + 2.0
         spins = 0
@@ -275,7 +342,7 @@ class InferenceClient:
                 if spins % 1000 == 0:
                     if h[CLOSED]:
                         self._open()
-                        return again()
+                        return False
                     now = time.monotonic()
                     if now > start + self.timeout_s:
                         raise InferenceError(f"{self.client_id}: no answer from the inference actor through its "
@@ -287,9 +354,7 @@ class InferenceClient:
                         next_ping = time.monotonic() + 2.0
         if h[STATUS]:
             raise InferenceError(bytes(a["error"]).rstrip(b"\0").decode(errors="replace"))
-        out = a["out"]
-        return {"handles": a["out_handles"][:rows].copy(), "value": out[:rows, 0].copy(),
-                "reward": out[:rows, 1].copy(), "policy_logits": out[:rows, 2:].copy(), "version": int(h[VERSION])}
+        return True
 
 
 def create(client: str, max_rows: int, obs_rows: int, obs_shape: tuple[int, ...],

@@ -228,6 +228,8 @@ class InferenceServer:
             coro = self.recurrent(channel.client, *payload)
         elif kind == channels.INITIAL and payload is not None:
             coro = self.initial(channel.client, payload)
+        elif kind == channels.SEARCH and payload is not None:
+            coro = self.search(channel.client, payload[0], temperature=payload[1])
         else:
             self.errors += 1
             channel.fail(seq, InferenceError(f"channel: unknown request kind {kind} (or no obs buffer)"))
