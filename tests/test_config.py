@@ -47,4 +47,4 @@ def test_yaml_roundtrip(tmp_path):
     cfg = config.load("atari", ["run.seed=5"])
     path = tmp_path / "c.yaml"
     path.write_text(config.to_yaml(cfg))
-    assert config.from_yaml_file(path) == cfg
+    assert config.load(str(path)) == cfg

@@ -148,7 +148,7 @@ def test_each_rank_samples_its_own_replay_shard(group, tmp_path):
 
 
 def test_reanalyse_worker_writes_the_latest_network_targets(ray_session, tmp_path):
-    from rayzero.learner.reanalyse import ReanalyseWorker
+    from rayzero.actors.reanalyse import ReanalyseWorker
     from rayzero.tree import SearchConfig
 
     search_cfg = SearchConfig(num_simulations=8, dirichlet_fraction=0.0)  # no noise: a deterministic search

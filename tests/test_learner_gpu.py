@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rayzero.config import ModelConfig
-from rayzero.learner.reanalyse import ReanalyseWorker
+from rayzero.actors.reanalyse import ReanalyseWorker
 from rayzero.tree import SearchConfig
 
 pytestmark = [

@@ -84,7 +84,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from rayzero import config as config_lib
     from rayzero.actors.evaluate import play_episodes, record_gif
-    from rayzero.actors.evaluator import LocalEvaluator
+    from rayzero.actors.network import LocalNetwork
     from rayzero.learner import checkpoint as ckpt
     from rayzero.learner import load_model_weights
     from rayzero.models import build_model
@@ -101,7 +101,7 @@ def _eval(args: argparse.Namespace) -> int:
     spec = _check_env(config.env)
     model = build_model(config.model, spec.observation_shape, spec.num_actions)
     load_model_weights(model, checkpoint)
-    evaluator = LocalEvaluator(model, config.replay.discount)
+    evaluator = LocalNetwork(model, config.replay.discount)
     max_steps = args.max_steps or config.run.eval_max_steps
     returns = play_episodes(config.env, evaluator, config.search, args.episodes, max_steps, args.seed)
     print(f"{config.env.id}: {np.mean(returns):.2f} ± {np.std(returns):.2f} over {len(returns)} episodes "

@@ -105,6 +105,19 @@ class ModelConfig:
     """Hidden size of the value-prefix LSTM."""
     value_prefix_horizon: int = 5
     """Steps after which the prefix and the LSTM state restart from zero."""
+    transformer_dim: int = 256
+    """Transformer: width of the tokens."""
+    transformer_heads: int = 8
+    """Transformer: attention heads (must divide transformer_dim)."""
+    transformer_layers: int = 6
+    """Transformer: blocks in each of representation and dynamics."""
+    transformer_latent_tokens: int = 8
+    """Transformer: tokens of the latent state."""
+    transformer_patch: int = 0
+    """Transformer: side of the square image patches that become tokens (0 = the smallest that fits
+    transformer_max_tokens)."""
+    transformer_max_tokens: int = 512
+    """Transformer: most input tokens of one observation."""
 
     def __post_init__(self) -> None:
         _check("model", self, [
@@ -120,6 +133,13 @@ class ModelConfig:
             ("reduced_channels", self.reduced_channels >= 1, ">= 1"),
             ("head_hidden", self.head_hidden >= 1, ">= 1"),
             ("support_size", self.support_size >= 1, ">= 1"),
+            ("transformer_dim", self.transformer_dim >= 1, ">= 1"),
+            ("transformer_heads", self.transformer_heads >= 1 and self.transformer_dim % self.transformer_heads == 0,
+             ">= 1 and a divisor of model.transformer_dim"),
+            ("transformer_layers", self.transformer_layers >= 1, ">= 1"),
+            ("transformer_latent_tokens", self.transformer_latent_tokens >= 1, ">= 1"),
+            ("transformer_patch", self.transformer_patch >= 0, ">= 0 (0 = auto)"),
+            ("transformer_max_tokens", self.transformer_max_tokens >= 1, ">= 1"),
         ])
 
 
@@ -381,8 +401,6 @@ class ClusterConfig:
     num_selfplay_actors). Actors lost with a node are dropped and replaced when resources return."""
     request_resources: bool = False
     """Ask the autoscaler (ray.autoscaler.sdk.request_resources) for max_selfplay_actors' CPUs."""
-    elastic_interval: float = 10.0
-    """Seconds between checks for room to add self-play actors."""
     address: str = ""
     """Ray address to connect to; empty = RAY_ADDRESS, a job's cluster, or a new local ray.init()."""
     num_cpus: int = 0
@@ -405,7 +423,6 @@ class ClusterConfig:
             ("num_cpus", self.num_cpus >= 0, ">= 0"),
             ("max_selfplay_actors", self.max_selfplay_actors == 0 or self.max_selfplay_actors >= self.num_selfplay_actors,
              "0 (fixed) or >= cluster.num_selfplay_actors"),
-            ("elastic_interval", self.elastic_interval > 0, "> 0"),
         ])
 
 
@@ -465,6 +482,20 @@ class Config:
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
+    def __post_init__(self) -> None:
+        """Rules between sections (each section checks its own fields)."""
+        replay, learner, env = self.replay, self.learner, self.env
+        k = replay.frame_stack
+        if k > 1 and not (env.is_atari and k == env.frame_stack):
+            # Replay restacks single frames: only right for Atari observations that stack that many frames.
+            raise ConfigError(f"replay.frame_stack={k} needs an Atari env (ALE/...) stacking {k} frames; got "
+                              f"env.id={env.id!r} with env.frame_stack={env.frame_stack}: set replay.frame_stack "
+                              f"to 0 or to env.frame_stack")
+        if learner.consistency_weight > 0 and not replay.next_obs:
+            raise ConfigError("learner.consistency_weight > 0 needs replay.next_obs=true")
+        if learner.target_update_interval and not replay.bootstrap_obs:
+            raise ConfigError("learner.target_update_interval > 0 needs replay.bootstrap_obs=true")
+
 
 def presets() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
@@ -517,6 +548,3 @@ def load(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ())
 def to_yaml(config: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
-
-def from_yaml_file(path: str | Path) -> Config:
-    return load(str(path))

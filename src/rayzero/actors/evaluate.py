@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.actors.network import LocalNetwork
 from rayzero.config import EnvConfig, ModelConfig
 from rayzero.envs import make_render_env, make_vector_env
 from rayzero.models import build_model
@@ -56,7 +56,7 @@ class EvalWorker:
         torch.set_num_threads(torch_threads)
         spec = env_spec(env_cfg)
         self.env_cfg, self.search_cfg = env_cfg, search_cfg
-        self.evaluator = LocalEvaluator(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
+        self.evaluator = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
 
     def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int) -> dict[str, Any]:
         version, state_dict = weights

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.actors.network import LocalNetwork
 from rayzero.config import EnvConfig, ModelConfig, ReplayConfig
 from rayzero.envs import make_vector_env
 from rayzero.models import build_model
@@ -45,7 +45,7 @@ class SelfPlayWorker:
         self.replay_cfg = replay_cfg
         self.sink = sink
         if evaluator is None:
-            evaluator = LocalEvaluator(build_model(model_cfg, spec.observation_shape, spec.num_actions), replay_cfg.discount)
+            evaluator = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), replay_cfg.discount)
         self.evaluator = evaluator
         self.generator = torch.Generator().manual_seed(seed)
         self.version = -1

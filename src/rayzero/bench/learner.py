@@ -348,7 +348,7 @@ def reanalyse_rates(sizes: Sizes, gpu: bool, batches: tuple[int, ...] = (256, 10
     batched MuZero search of `sims` simulations), on this process's GPU or CPU, net of `sizes`."""
     import torch
 
-    from rayzero.learner.reanalyse import ReanalyseWorker
+    from rayzero.actors.reanalyse import ReanalyseWorker
     from rayzero.tree import SearchConfig
 
     device = "cuda" if gpu else "cpu"

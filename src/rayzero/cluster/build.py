@@ -16,7 +16,7 @@ from rayzero.envs import EnvSpec
 from rayzero.inference.server import InferenceServer
 from rayzero.learner.group import LearnerGroup
 from rayzero.learner.learner import Learner
-from rayzero.learner.reanalyse import ReanalyseWorker
+from rayzero.actors.reanalyse import ReanalyseWorker
 from rayzero.replay.buffer import ReplayBuffer
 
 
@@ -244,12 +244,12 @@ class _RemoteSelfPlay(SelfPlayWorker):
 
     def __init__(self, env_cfg, model_cfg, search_cfg, replay_cfg, seed, torch_threads, shards, inference, name,
                  index=0, whole_search=False):
-        from rayzero.actors.evaluator import RemoteEvaluator
+        from rayzero.actors.network import RemoteNetwork
 
         evaluator = None
         if inference is not None:
             # The pid makes a restarted actor a new client, so its predecessor's slots get reclaimed.
-            evaluator = RemoteEvaluator(inference, replay_cfg.discount, f"{name}-{os.getpid()}",
+            evaluator = RemoteNetwork(inference, replay_cfg.discount, f"{name}-{os.getpid()}",
                                         whole_search=whole_search)
         self._shards, self._next_shard = list(shards), index
 

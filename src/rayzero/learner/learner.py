@@ -33,11 +33,12 @@ except ImportError:  # older safetensors
 from safetensors.torch import load_file, save_file
 
 from rayzero.config import LearnerConfig, ModelConfig
+from rayzero.devices import resolve_device
 from rayzero.learner.checkpoint import CheckpointError
 from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
 from rayzero.models import build_model
-from rayzero.models.state import StateDict, snapshot
+from rayzero.models.state import StateDict, copy_into, snapshot
 from rayzero.replay.buffer import Batch
 
 METRIC_NAMES = ("loss", *STAT_NAMES, "grad_norm", "stale_samples")
@@ -76,14 +77,6 @@ gc.callbacks.append(_on_gc)
 FULL_GC_EVERY = 20  # train calls between full collections with learner.manual_gc
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available: use 'auto' or 'cpu'")
-    return torch.device(name)
-
-
 def log(message: str) -> None:
     print(f"rayzero: learner: {message}", file=sys.stderr, flush=True)
 
@@ -107,8 +100,6 @@ class Learner:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.backends.cudnn.benchmark = True  # batch shapes are fixed: let cuDNN time its conv algorithms
         self.model = build_model(model_cfg, obs_shape, num_actions).to(self.device)
         self.model.train()
@@ -290,9 +281,7 @@ class Learner:
     def sync_target(self) -> None:
         """Copy the network into the target network."""
         if self.target is not None:
-            with torch.no_grad():
-                for dst, src in zip(self.target.state_dict().values(), self.model.state_dict().values()):
-                    dst.copy_(src)
+            copy_into(self.target, self.model.state_dict())
 
     def _read_sums(self) -> dict[str, float]:
         """Means of the metrics since the last read: the one device sync of a `train` call."""
@@ -464,9 +453,7 @@ class Learner:
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         """Put published weights back (the driver rolls back to the version that met run.stop_return)."""
-        with torch.no_grad():
-            for name, tensor in self.model.state_dict().items():
-                tensor.copy_(state_dict[name])
+        copy_into(self.model, state_dict)
         self.version = version
         self._published = None
         return version

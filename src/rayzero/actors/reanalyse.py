@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.actors.network import LocalNetwork
 from rayzero.config import ModelConfig
 from rayzero.models import build_model
 from rayzero.tree import SearchConfig, search
@@ -34,7 +34,7 @@ class ReanalyseWorker:
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.search_cfg = search_cfg
-        self.evaluator = LocalEvaluator(build_model(model_cfg, obs_shape, num_actions).to(self.device), discount)
+        self.evaluator = LocalNetwork(build_model(model_cfg, obs_shape, num_actions).to(self.device), discount)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = -1
         # On CUDA, one whole search per batch size is captured as a CUDA graph (tree/capture.py) and replayed;
