@@ -8,6 +8,7 @@ import pytest
 import ray
 import torch
 
+from rayzero.cluster.plan import learner_ranks
 from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
 from rayzero.learner import Learner
 from rayzero.learner import checkpoint as ckpt
@@ -48,8 +49,9 @@ def ray_session():
 
 
 def start_group(learner_cfg):
-    return ray.remote(LearnerGroup).options(num_cpus=0).remote(
-        MODEL, learner_cfg, (4,), 2, 0, 1, num_learners=2, gpus_per_rank=0.0, cpus_per_rank=0.0
+    ranks = learner_ranks(2, cpus=0.0, gpus=0.0)
+    return ray.remote(LearnerGroup).options(**ranks.facade_options).remote(
+        MODEL, learner_cfg, (4,), 2, 0, 1, bundles=ranks.bundles, rank_options=ranks.rank_options
     )
 
 

@@ -45,6 +45,7 @@ def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
     import ray
 
     from rayzero.config import LearnerConfig, ReplayConfig
+    from rayzero.cluster.plan import learner_ranks
     from rayzero.learner.group import LearnerGroup
     from rayzero.replay import ReplayBuffer, Segment
 
@@ -62,8 +63,9 @@ def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
     batches = [[buffer.sample(16) for _ in range(3)] for _ in range(2)]
     ray.init(num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        group = ray.remote(LearnerGroup).options(num_cpus=0).remote(
-            model, cfg, (3, 32, 32), 4, 0, 1, num_learners=2, gpus_per_rank=1.0, cpus_per_rank=0.0)
+        ranks = learner_ranks(2, cpus=0.0, gpus=1.0)
+        group = ray.remote(LearnerGroup).options(**ranks.facade_options).remote(
+            model, cfg, (3, 32, 32), 4, 0, 1, bundles=ranks.bundles, rank_options=ranks.rank_options)
         _, before = ray.get(group.weights.remote())
         result = ray.get(group.train_on.remote(batches))
         assert np.isfinite(result["loss"]) and result["learner_steps"] == 3

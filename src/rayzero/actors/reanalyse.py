@@ -22,8 +22,11 @@ import torch
 
 from rayzero.actors.network import LocalNetwork
 from rayzero.config import ModelConfig
+from rayzero.logs import logger
 from rayzero.models import build_model
 from rayzero.tree import SearchConfig, search
+
+log = logger(__name__)
 
 
 class ReanalyseWorker:
@@ -61,8 +64,7 @@ class ReanalyseWorker:
                                                       generator=self.generator)
             except Exception as error:  # noqa: BLE001 - any capture failure: keep reanalysing, eagerly
                 self.capture_error = f"{type(error).__name__}: {error}"
-                print(f"rayzero: reanalyse search capture failed ({self.capture_error[:300]}); searching eagerly",
-                      flush=True)
+                log.warning("search capture failed (%s); searching eagerly", self.capture_error[:300])
                 return None
         return self.captured[batch]
 

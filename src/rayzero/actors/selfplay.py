@@ -94,8 +94,7 @@ class SelfPlayWorker:
             actions, policy, root_value = answer["action"], answer["action_weights"], answer["root_value"]
         else:
             config = dataclasses.replace(self.search_cfg, temperature=temperature)
-            # Inference mode: no autograd bookkeeping on the search's many small ops (cartpole preset on
-            # 2 CPU cores: 52 -> 43 ms per batched step, docs/benchmarks.md).
+            # Inference mode: no autograd bookkeeping on the search's many small ops (docs/benchmarks.md).
             with torch.inference_mode():
                 root = self.evaluator.root(self.obs)
                 out = search(root, self.evaluator.recurrent_fn, config.num_simulations, config,
