@@ -20,7 +20,7 @@ def test_reanalyse_graph_replay_gives_the_eager_targets():
     captured = ReanalyseWorker(model, search_cfg, 0.99, (4,), 3, seed=0, device="cuda")
     eager = ReanalyseWorker(model, search_cfg, 0.99, (4,), 3, seed=0, device="cuda")
     eager.capture_error = "eager on purpose"
-    state = {k: v + 0.1 * torch.randn_like(v) for k, v in captured.evaluator.model.state_dict().items()}
+    state = {k: v + 0.1 * torch.randn_like(v) for k, v in captured.network.model.state_dict().items()}
     captured.set_weights(1, state)
     eager.set_weights(1, state)
     rng = np.random.default_rng(0)

@@ -151,3 +151,16 @@ def test_only_the_plan_decides_resources():
                 if keywords:
                     found.append(f"{relative}:{node.lineno} {sorted(keywords)}")
     assert not found, found
+
+
+def test_no_duplicated_code():
+    """pylint's duplicate-code check over the package (6 similar lines or more). The Triton kernels mirror the
+    torch path on purpose (the same float32 operations in the same order): kernels.py is left out by name."""
+    pytest.importorskip("pylint", reason="pylint is in the dev extra")
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "pylint", "--disable=all", "--enable=duplicate-code",
+                             "--min-similarity-lines=6", "--ignore=kernels.py", "--score=n", str(PACKAGE)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

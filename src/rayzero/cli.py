@@ -109,13 +109,13 @@ def _eval(args: argparse.Namespace) -> int:
     spec = _check_env(config.env)
     model = build_model(config.model, spec.observation_shape, spec.num_actions)
     load_model_weights(model, checkpoint)
-    evaluator = LocalNetwork(model, config.replay.discount)
+    network = LocalNetwork(model, config.replay.discount)
     max_steps = args.max_steps or config.run.eval_max_steps
-    returns = play_episodes(config.env, evaluator, config.search, args.episodes, max_steps, args.seed)
+    returns = play_episodes(config.env, network, config.search, args.episodes, max_steps, args.seed)
     print(f"{config.env.id}: {np.mean(returns):.2f} ± {np.std(returns):.2f} over {len(returns)} episodes "
           f"(checkpoint {checkpoint})")
     if args.gif:
-        episode_return = record_gif(config.env, evaluator, config.search, args.gif, max_steps, args.seed)
+        episode_return = record_gif(config.env, network, config.search, args.gif, max_steps, args.seed)
         print(f"wrote {args.gif} (episode return {episode_return:.1f})")
     return 0
 

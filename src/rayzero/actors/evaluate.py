@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayzero.actors.network import LocalNetwork
+from rayzero.actors.network import LocalNetwork, search_observations
 from rayzero.config import EnvConfig, ModelConfig
 from rayzero.envs import make_render_env, make_vector_env
 from rayzero.models import build_model
-from rayzero.tree import SearchConfig, search
+from rayzero.tree import SearchConfig
 
 
 def greedy(search_cfg: SearchConfig) -> SearchConfig:
@@ -20,7 +20,7 @@ def greedy(search_cfg: SearchConfig) -> SearchConfig:
 
 
 def play_episodes(
-    env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int
+    env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int
 ) -> list[float]:
     """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns."""
     env = make_vector_env(env_cfg, episodes, seed, training=False)
@@ -31,10 +31,7 @@ def play_episodes(
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
         for _ in range(max_steps):
-            with torch.inference_mode():
-                root = evaluator.root(obs)
-                out = search(root, evaluator.recurrent_fn, config.num_simulations, config, generator=generator)
-            evaluator.release()
+            out = search_observations(network, obs, config, generator)
             result = env.step(out.action.cpu().numpy())
             returns += np.where(done, 0.0, result.reward)
             done |= result.terminated | result.truncated
@@ -56,17 +53,17 @@ class EvalWorker:
         torch.set_num_threads(torch_threads)
         spec = env_spec(env_cfg)
         self.env_cfg, self.search_cfg = env_cfg, search_cfg
-        self.evaluator = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
+        self.network = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
 
     def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int) -> dict[str, Any]:
         version, state_dict = weights
-        self.evaluator.set_weights(state_dict)
-        returns = play_episodes(self.env_cfg, self.evaluator, self.search_cfg, episodes, max_steps, seed)
+        self.network.set_weights(state_dict)
+        returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed)
         return {"version": version, "returns": returns, "mean": float(np.mean(returns)),
                 "std": float(np.std(returns))}
 
 
-def record_gif(env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, path: str, max_steps: int,
+def record_gif(env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, path: str, max_steps: int,
                seed: int) -> float:
     """Play one greedy episode in a rendering env and write its frames as a GIF; returns the episode return."""
     from PIL import Image
@@ -77,10 +74,7 @@ def record_gif(env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, pat
     frames = [env.render()]
     total = 0.0
     for _ in range(max_steps):
-        with torch.inference_mode():
-            root = evaluator.root(np.asarray(obs)[None])
-            out = search(root, evaluator.recurrent_fn, config.num_simulations, config)
-        evaluator.release()
+        out = search_observations(network, np.asarray(obs)[None], config)
         obs, reward, terminated, truncated, _ = env.step(int(out.action[0]))
         total += float(reward)
         frames.append(env.render())

@@ -17,7 +17,7 @@ import torch
 
 from rayzero.models.networks import MuZeroNet
 from rayzero.models.state import copy_into
-from rayzero.tree import RecurrentOutput, RootOutput
+from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchOutput, search
 
 
 class LocalNetwork:
@@ -106,3 +106,14 @@ class RemoteNetwork:
         import ray
 
         ray.get(self.server.release.remote(self.client_id))
+
+
+def search_observations(network: Any, obs: np.ndarray, config: SearchConfig,
+                        generator: torch.Generator | None = None) -> SearchOutput:
+    """One batched search from observations [B, ...] with `network` (either kind): the roots, the search, and the
+    release of the latents it made. Under inference mode: no autograd bookkeeping on the many small ops."""
+    with torch.inference_mode():
+        root = network.root(obs)
+        out = search(root, network.recurrent_fn, config.num_simulations, config, generator=generator)
+    network.release()
+    return out
