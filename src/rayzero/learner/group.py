@@ -1,20 +1,12 @@
-"""A learner group: N DDP ranks in Ray actors, one GPU each, behind one actor with the `Learner` remote API.
+"""A learner group: N DDP ranks in Ray actors behind one actor with the `Learner` remote API.
 
-`LearnerGroup` (made a Ray actor by `cluster.build_learner_group`) reserves a STRICT_PACK placement group of
-the N bundles that the resource plan gives it (cluster/plan.py), starts a `LearnerRank` in each, and joins
-them in one torch.distributed process group: NCCL on GPUs, gloo on the CPU. All ranks see the GPUs of the
-whole group (CUDA_VISIBLE_DEVICES is widened to the group's GPUs before CUDA starts), so NCCL can use
-NVLink peer-to-peer between them; each rank uses its own.
-
-Every rank samples its own batch (learner.batch_size per rank) from its replay shard (rank r: shard r % n
-when `train` gets a list of shards) and updates those samples' priorities there; DDP averages the gradients, so the ranks stay identical. Rank 0 answers `weights`,
-`counters` and `save`; `load` and `set_weights` go to all ranks.
-
-If a rank dies (a `RayActorError` from any call), the group kills its ranks, releases the placement group,
-starts a new one and loads the newest checkpoint it knows about: `ckpt.latest(checkpoint_root)`, where
-checkpoint_root is given or inferred from the directories passed to `save`/`load` (a directory inside
-RUN_DIR/checkpoints/ names RUN_DIR), else the last such directory itself; with none, it starts fresh.
-The call that failed is then made once more.
+`LearnerGroup` reserves a STRICT_PACK placement group of the bundles that the resource plan gives it
+(cluster/plan.py), starts a `LearnerRank` in each and joins them in one torch.distributed group (NCCL on GPUs,
+with every rank seeing the group's GPUs so NCCL can go peer-to-peer; gloo on the CPU). Rank r samples its own
+batch from replay shard r % shards and sends the priorities back there; the gradients are averaged, so the
+ranks stay identical. Rank 0 answers `weights`, `counters` and `save`; `load` and `set_weights` go to all.
+If a rank dies, the group restarts all ranks from the newest checkpoint it knows (`_checkpoint_path`) and
+makes the failed call once more.
 """
 
 from __future__ import annotations
@@ -179,6 +171,9 @@ class LearnerGroup:
             self.pg = None
 
     def _checkpoint_path(self) -> str | None:
+        """The newest checkpoint under checkpoint_root, given or inferred from the directories passed to
+        `save`/`load` (a directory inside RUN_DIR/checkpoints/ names RUN_DIR), else the last such directory
+        itself; None: start fresh."""
         roots = [self.checkpoint_root] if self.checkpoint_root else []
         if self.last_checkpoint:
             parent = Path(self.last_checkpoint).parent
