@@ -34,8 +34,8 @@ from rayzero.config import LearnerConfig, ModelConfig
 from rayzero.devices import resolve_device
 from rayzero.learner.checkpoint import CheckpointError
 from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
-from rayzero.logs import logger
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
+from rayzero.logs import logger
 from rayzero.models import build_model
 from rayzero.models.state import StateDict, copy_into, snapshot
 from rayzero.replay.buffer import Batch
