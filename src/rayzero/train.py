@@ -182,13 +182,13 @@ class Driver:
                      self.counters.env_steps, self.counters.learner_steps, self.replay_at_start["size"])
         self.counters.replay_transitions = self.replay_at_start["total_added"]
         metrics = MetricsLog(run_dir)
-        with self._signals():
+        with self._signals():  # through the final evaluation and checkpoint: a signal there changes nothing
             try:
                 self._loop(handles, metrics)
-            except KeyboardInterrupt:  # a second Ctrl-C: stop waiting for in-flight work
+            except KeyboardInterrupt:  # a second signal: stop waiting for in-flight work
                 self.stop_reason = "interrupted"
                 log.info("interrupted; writing a checkpoint and the summary")
-        return self._finish(handles, metrics)
+            return self._finish(handles, metrics)
 
     def _read_checkpoint(self) -> Path:
         self.storage.fetch()
