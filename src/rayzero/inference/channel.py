@@ -298,7 +298,7 @@ def create(client: str, max_rows: int, obs_rows: int, obs_shape: tuple[int, ...]
     """A new channel in /dev/shm (None if there is no room); the paths the client maps it by."""
     owner = _Owner()
     made = shm.create(owner, specs(max_rows, obs_rows, obs_shape, obs_dtype, num_actions),
-                         what="inference channels")
+                      what="inference channels")
     if made is None:
         return None
     arrays, paths = made

@@ -149,7 +149,7 @@ class ReplayBuffer:
             return
         a = self._arrays
         created = shm.create(self, {"obs": (a["obs"].shape, a["obs"].dtype),
-                                       "generation": (a["generation"].shape, a["generation"].dtype)})
+                                    "generation": (a["generation"].shape, a["generation"].dtype)})
         if created is None:
             return
         arrays, self.shared_paths = created
