@@ -108,5 +108,11 @@ def test_config_prints_the_resolved_config_with_documentation():
     assert lines[0].startswith("env:  # ")
 
 
+def test_config_without_a_preset_is_cartpole_with_overrides():
+    result = rayzero("config", "search.num_simulations=3")
+    assert result.returncode == 0, result.stderr
+    assert "  id: CartPole-v1" in result.stdout.splitlines() and "  num_simulations: 3" in result.stdout.splitlines()
+
+
 def test_config_with_a_bad_override_is_a_usage_error():
     assert_usage_error(rayzero("config", "cartpole", "search.num_simulations=0"), "search.num_simulations=0")

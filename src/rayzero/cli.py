@@ -123,7 +123,10 @@ def _eval(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> int:
     from rayzero import config as config_lib
 
-    print(config_lib.describe(config_lib.load(args.preset, list(args.overrides))))
+    preset, overrides = args.preset, list(args.overrides)
+    if "=" in preset:  # `rayzero config a.b=1`: no preset given, only overrides
+        preset, overrides = "cartpole", [preset, *overrides]
+    print(config_lib.describe(config_lib.load(preset, overrides)))
     return 0
 
 
