@@ -89,3 +89,30 @@ def test_selfplay_benchmark_quick_writes_its_json(tmp_path):
     assert set(rows) == {"cartpole", "atari"}
     for row in rows.values():
         assert row["env_steps_per_second"] > 0 and 0 < row["network_share"] < 1
+
+
+@pytest.mark.parametrize("leftover", ["config.yaml", "metrics.jsonl", "checkpoints"])
+def test_reused_run_dir_without_resume(tmp_path, leftover):
+    (tmp_path / leftover).mkdir() if leftover == "checkpoints" else (tmp_path / leftover).write_text("")
+    assert_usage_error(rayzero("train", "--config", "cartpole", "--out", str(tmp_path)), "already holds a run",
+                       leftover, "--resume")
+
+
+def test_config_prints_the_resolved_config_with_documentation():
+    result = rayzero("config", "atari", "search.num_simulations=7", "env.num_envs=3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "  num_simulations: 7" in lines and "  num_envs: 3" in lines and "  id: ALE/Pong-v5" in lines
+    where = lines.index("  num_envs: 3")
+    assert lines[where - 1] == "  # Environments stepped together by each self-play actor."
+    assert lines[0].startswith("env:  # ")
+
+
+def test_config_without_a_preset_is_cartpole_with_overrides():
+    result = rayzero("config", "search.num_simulations=3")
+    assert result.returncode == 0, result.stderr
+    assert "  id: CartPole-v1" in result.stdout.splitlines() and "  num_simulations: 3" in result.stdout.splitlines()
+
+
+def test_config_with_a_bad_override_is_a_usage_error():
+    assert_usage_error(rayzero("config", "cartpole", "search.num_simulations=0"), "search.num_simulations=0")

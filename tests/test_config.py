@@ -1,5 +1,7 @@
 """Config: presets, overrides and clear errors for bad values."""
 
+import re
+
 import pytest
 
 from rayzero import config
@@ -47,4 +49,47 @@ def test_yaml_roundtrip(tmp_path):
     cfg = config.load("atari", ["run.seed=5"])
     path = tmp_path / "c.yaml"
     path.write_text(config.to_yaml(cfg))
-    assert config.from_yaml_file(path) == cfg
+    assert config.load(str(path)) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["replay.frame_stack=4"], "replay.frame_stack=4 needs an Atari env"),
+        (["learner.consistency_weight=1.0"], "needs replay.next_obs=true"),
+        (["learner.target_update_interval=100"], "needs replay.bootstrap_obs=true"),
+        (["cluster.num_learners=3", "replay.shards=2"], "must divide cluster.num_learners=3"),
+        (["cluster.num_learners=2", "replay.capacity=100", "replay.min_size=10"], "less than one segment"),
+    ],
+)
+def test_rules_between_sections_are_checked_at_load(overrides, message):
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
+        config.load("cartpole", overrides)
+
+
+def test_rules_between_sections_accept_agreeing_fields():
+    cfg = config.load("atari", ["replay.frame_stack=4", "learner.consistency_weight=1.0", "replay.next_obs=true",
+                                "learner.target_update_interval=100", "replay.bootstrap_obs=true"])
+    assert cfg.replay.frame_stack == cfg.env.frame_stack == 4
+
+
+def test_transformer_sizes_are_model_fields():
+    cfg = config.load("cartpole", ["model.kind=transformer", "model.transformer_dim=32", "model.transformer_heads=4"])
+    assert cfg.model.transformer_dim == 32 and cfg.model.transformer_heads == 4
+    with pytest.raises(config.ConfigError, match="model.transformer_heads=5"):
+        config.load("cartpole", ["model.transformer_dim=32", "model.transformer_heads=5"])
+
+
+def test_describe_documents_every_field_and_loads_back(tmp_path):
+    import dataclasses
+
+    cfg = config.load("atari", ["search.num_simulations=7"])
+    text = config.describe(cfg)
+    assert "  num_simulations: 7" in text
+    assert "  # Simulations per search" in text  # the field's docstring, from tree/base.py
+    for section in dataclasses.fields(cfg):
+        for field in dataclasses.fields(getattr(cfg, section.name)):
+            assert f"\n  {field.name}: " in text, (section.name, field.name)
+    path = tmp_path / "described.yaml"
+    path.write_text(text)
+    assert config.load(str(path)) == cfg

@@ -2,7 +2,6 @@
 
 import asyncio
 import dataclasses
-import types
 
 import numpy as np
 import pytest
@@ -136,14 +135,14 @@ def test_served_through_ray_to_a_selfplay_search():
     """The central mode end to end: a remote evaluator drives a batched search; latents stay in the actor."""
     import ray
 
-    from rayzero.actors.evaluator import RemoteEvaluator
+    from rayzero.actors.network import RemoteNetwork
     from rayzero.tree import SearchConfig, search
 
     ray.init(num_cpus=1, include_dashboard=False)
     try:
         cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=500)
         actor = ray.remote(InferenceServer).options(max_concurrency=100).remote(MODEL, cfg, (4,), 3, 0)
-        evaluator = RemoteEvaluator(actor, 0.99, "client-0")
+        evaluator = RemoteNetwork(actor, 0.99, "client-0")
         root = evaluator.root(np.zeros((5, 4), dtype=np.float32))
         out = search(root, evaluator.recurrent_fn, 8, SearchConfig(dirichlet_fraction=0.0))
         assert evaluator.client.transport == "channel"  # the driver is on the actor's node
@@ -165,11 +164,10 @@ def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.05)
 
 
-def _tiny_transformer(**extra) -> types.SimpleNamespace:
-    """A ModelConfig plus the transformer_* sizes (getattr'ed by models.transformer), small for the CPU."""
-    base = dataclasses.asdict(ModelConfig(kind="transformer", support_size=5, head_hidden=16))
+def _tiny_transformer(**extra) -> ModelConfig:
+    """A transformer ModelConfig small enough for the CPU."""
     sizes = {"transformer_dim": 32, "transformer_heads": 4, "transformer_layers": 2, "transformer_latent_tokens": 4}
-    return types.SimpleNamespace(**{**base, **sizes, **extra})
+    return ModelConfig(kind="transformer", support_size=5, head_hidden=16, **{**sizes, **extra})
 
 
 def test_weight_swap_while_serving_no_request_fails_and_versions_match():
@@ -355,7 +353,7 @@ def test_recurrent_without_storing_keeps_no_slots():
 
 
 def test_whole_search_requests_match_a_direct_search():
-    from rayzero.actors.evaluator import LocalEvaluator
+    from rayzero.actors.network import LocalNetwork
     from rayzero.tree import SearchConfig, search
 
     search_cfg = SearchConfig(num_simulations=8, dirichlet_fraction=0.0, temperature=0.0)
@@ -373,7 +371,7 @@ def test_whole_search_requests_match_a_direct_search():
                                     srv.search("d", obs[0], num_simulations=0), return_exceptions=True)
 
     a, b, c, bad = asyncio.run(go())
-    evaluator = LocalEvaluator(srv.model, 0.99)
+    evaluator = LocalNetwork(srv.model, 0.99)
     for out, o, mask in ((a, obs[0], None), (b, obs[1], invalid)):
         ref = search(evaluator.root(o), evaluator.recurrent_fn, 8, search_cfg,
                      torch.from_numpy(mask) if mask is not None else None)
@@ -490,7 +488,7 @@ def emulated_cuda(monkeypatch):
 
 
 def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
-    from rayzero.actors.evaluator import LocalEvaluator
+    from rayzero.actors.network import LocalNetwork
     from rayzero.tree import SearchConfig, search
 
     search_cfg = SearchConfig(num_simulations=6, dirichlet_fraction=0.0, temperature=0.0)
@@ -532,7 +530,7 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
             nxt2 = model.recurrent(nxt.latent, torch.from_numpy(a))
             np.testing.assert_allclose(d["value"], nxt2.value.numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(again["policy_logits"], roots[1]["policy_logits"], rtol=1e-6)
-        evaluator = LocalEvaluator(model, 0.99)
+        evaluator = LocalNetwork(model, 0.99)
         for out, o in zip(searched, (obs[1], obs[4][:12])):  # 3 rows: a graph bucket; 12 rows: eager
             ref = search(evaluator.root(o), evaluator.recurrent_fn, 6, search_cfg)
             np.testing.assert_array_equal(out["visit_counts"], ref.visit_counts.numpy())
@@ -559,7 +557,7 @@ def test_selfplay_in_whole_search_mode_through_ray():
     """Central mode with whole searches (the GPU default), here on the CPU: one inference call per env step."""
     import ray
 
-    from rayzero.actors.evaluator import RemoteEvaluator
+    from rayzero.actors.network import RemoteNetwork
     from rayzero.actors.selfplay import SelfPlayWorker
     from rayzero.config import EnvConfig, ReplayConfig
     from rayzero.replay import ReplayBuffer
@@ -575,7 +573,7 @@ def test_selfplay_in_whole_search_mode_through_ray():
         worker = SelfPlayWorker(
             EnvConfig(id="CartPole-v1", num_envs=3), MODEL, search_cfg,
             ReplayConfig(capacity=1000, segment_length=10, min_size=0), seed=0, sink=replay.add,
-            evaluator=RemoteEvaluator(actor, 0.99, "sp-0", whole_search=True),
+            evaluator=RemoteNetwork(actor, 0.99, "sp-0", whole_search=True),
         )
         result = worker.collect(30, temperature=1.0)
         assert result["env_steps"] == 90 and result["transitions_sent"] > 0

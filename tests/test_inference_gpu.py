@@ -5,8 +5,6 @@ Skipped without CUDA."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import types
 
 import numpy as np
 import pytest
@@ -214,9 +212,8 @@ def test_bad_requests_fail_alone_on_the_gpu():
 
 
 def test_transformer_graphs_bf16_match_eager():
-    base = dataclasses.asdict(ModelConfig(kind="transformer", support_size=50, head_hidden=32))
-    cfg = types.SimpleNamespace(**base, transformer_dim=64, transformer_heads=4, transformer_layers=2,
-                                transformer_latent_tokens=4)
+    cfg = ModelConfig(kind="transformer", support_size=50, head_hidden=32, transformer_dim=64, transformer_heads=4,
+                      transformer_layers=2, transformer_latent_tokens=4)
     srv = _server(model_cfg=cfg, obs_shape=(12, 96, 96), search_max_batch=0)
     assert srv.model.tokens == 256
     sizes = (3, 20)

@@ -8,6 +8,7 @@ import pytest
 import ray
 import torch
 
+from rayzero.cluster.plan import learner_ranks
 from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
 from rayzero.learner import Learner
 from rayzero.learner import checkpoint as ckpt
@@ -48,8 +49,9 @@ def ray_session():
 
 
 def start_group(learner_cfg):
-    return ray.remote(LearnerGroup).options(num_cpus=0).remote(
-        MODEL, learner_cfg, (4,), 2, 0, 1, num_learners=2, gpus_per_rank=0.0, cpus_per_rank=0.0
+    ranks = learner_ranks(2, cpus=0.0, gpus=0.0)
+    return ray.remote(LearnerGroup).options(**ranks.facade_options).remote(
+        MODEL, learner_cfg, (4,), 2, 0, 1, bundles=ranks.bundles, rank_options=ranks.rank_options
     )
 
 
@@ -148,7 +150,7 @@ def test_each_rank_samples_its_own_replay_shard(group, tmp_path):
 
 
 def test_reanalyse_worker_writes_the_latest_network_targets(ray_session, tmp_path):
-    from rayzero.learner.reanalyse import ReanalyseWorker
+    from rayzero.actors.reanalyse import ReanalyseWorker
     from rayzero.tree import SearchConfig
 
     search_cfg = SearchConfig(num_simulations=8, dirichlet_fraction=0.0)  # no noise: a deterministic search

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rayzero.config import ModelConfig
-from rayzero.learner.reanalyse import ReanalyseWorker
+from rayzero.actors.reanalyse import ReanalyseWorker
 from rayzero.tree import SearchConfig
 
 pytestmark = [
@@ -20,7 +20,7 @@ def test_reanalyse_graph_replay_gives_the_eager_targets():
     captured = ReanalyseWorker(model, search_cfg, 0.99, (4,), 3, seed=0, device="cuda")
     eager = ReanalyseWorker(model, search_cfg, 0.99, (4,), 3, seed=0, device="cuda")
     eager.capture_error = "eager on purpose"
-    state = {k: v + 0.1 * torch.randn_like(v) for k, v in captured.evaluator.model.state_dict().items()}
+    state = {k: v + 0.1 * torch.randn_like(v) for k, v in captured.network.model.state_dict().items()}
     captured.set_weights(1, state)
     eager.set_weights(1, state)
     rng = np.random.default_rng(0)
@@ -45,6 +45,7 @@ def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
     import ray
 
     from rayzero.config import LearnerConfig, ReplayConfig
+    from rayzero.cluster.plan import learner_ranks
     from rayzero.learner.group import LearnerGroup
     from rayzero.replay import ReplayBuffer, Segment
 
@@ -62,8 +63,9 @@ def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
     batches = [[buffer.sample(16) for _ in range(3)] for _ in range(2)]
     ray.init(num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        group = ray.remote(LearnerGroup).options(num_cpus=0).remote(
-            model, cfg, (3, 32, 32), 4, 0, 1, num_learners=2, gpus_per_rank=1.0, cpus_per_rank=0.0)
+        ranks = learner_ranks(2, cpus=0.0, gpus=1.0)
+        group = ray.remote(LearnerGroup).options(**ranks.facade_options).remote(
+            model, cfg, (3, 32, 32), 4, 0, 1, bundles=ranks.bundles, rank_options=ranks.rank_options)
         _, before = ray.get(group.weights.remote())
         result = ray.get(group.train_on.remote(batches))
         assert np.isfinite(result["loss"]) and result["learner_steps"] == 3

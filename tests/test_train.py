@@ -81,3 +81,33 @@ def test_atari_smoke_train_then_eval(tmp_path):
     result = rayzero("eval", "--checkpoint", str(run_dir), "--episodes", "1", "--max-steps", "30", "--gif", str(gif))
     assert "ALE/Pong-v5" in result.stdout
     assert gif.stat().st_size > 1000
+
+
+def test_sigterm_ends_the_run_cleanly(tmp_path):
+    """`ray job stop` and Kubernetes send SIGTERM: in-flight work finishes, then a checkpoint and summary.json."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "rayzero", "train", "--config", "cartpole", "--out", str(tmp_path),
+                             *SMALL, "run.log_interval=1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                    if line.strip()] if (tmp_path / "metrics.jsonl").exists() else []
+            if any(row.get("learner_steps", 0) >= 20 for row in rows):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, "the run ended before it was signalled"
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stop_reason"] == "interrupted" and summary["learner_steps"] >= 20
+    step = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    assert (tmp_path / "checkpoints" / step / "model.safetensors").exists()

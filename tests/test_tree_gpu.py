@@ -14,7 +14,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-# The fused kernels: need triton, and not disabled with RAYZERO_TREE_TRITON=0.
+# The fused kernels: need CUDA and triton.
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() and kernels.available(torch.device("cuda"))), reason="needs triton kernels"
 )

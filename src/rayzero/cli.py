@@ -1,4 +1,4 @@
-"""The `rayzero` command: train, eval and bench.
+"""The `rayzero` command: train, eval, bench and config.
 
 Bad input (an unknown config key or env id, an out-of-range value, a missing or corrupt checkpoint) ends
 with one line on stderr naming the problem, and exit code 2.
@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-steps", type=int, default=None, help="step cap per episode")
     evaluate.add_argument("overrides", nargs="*", help="section.field=value (e.g. search.num_simulations=50)")
 
+    show = sub.add_parser("config", help="print the resolved config with each field's documentation", description=(
+        "Print the config that `rayzero train` would run with: the defaults, then the preset, then the overrides "
+        "(section.field=value), each field with its documentation."))
+    show.add_argument("preset", nargs="?", default="cartpole", help="preset name (cartpole, atari) or a YAML file")
+    show.add_argument("overrides", nargs="*", help="section.field=value")
+
     bench = sub.add_parser("bench", help="run a benchmark (tree, inference, selfplay, learner)")
     bench.add_argument("name")
     bench.add_argument("--quick", action="store_true", help="smoke size that runs on a 2-core CPU")
@@ -53,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from rayzero import config as config_lib
     from rayzero.storage import is_uri
-    from rayzero.train import check_resumable, train
+    from rayzero.train import check_fresh, check_resumable, train
 
     run_dir = Path(args.out)
     overrides = list(args.overrides)
@@ -73,6 +79,8 @@ def _train(args: argparse.Namespace) -> int:
     _check_env(config.env)  # an unknown env id fails here, before Ray starts
     if args.resume and not is_uri(args.out):
         check_resumable(run_dir)  # a URI is checked after it is fetched
+    elif not args.resume and not is_uri(args.out):
+        check_fresh(run_dir)  # never append to another run's metrics and checkpoints
     summary = train(config, args.out, resume=args.resume)
     print(json.dumps({k: summary[k] for k in ("env_id", "env_steps", "learner_steps", "eval_return_mean")}))
     return 0
@@ -84,7 +92,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from rayzero import config as config_lib
     from rayzero.actors.evaluate import play_episodes, record_gif
-    from rayzero.actors.evaluator import LocalEvaluator
+    from rayzero.actors.network import LocalNetwork
     from rayzero.learner import checkpoint as ckpt
     from rayzero.learner import load_model_weights
     from rayzero.models import build_model
@@ -101,14 +109,24 @@ def _eval(args: argparse.Namespace) -> int:
     spec = _check_env(config.env)
     model = build_model(config.model, spec.observation_shape, spec.num_actions)
     load_model_weights(model, checkpoint)
-    evaluator = LocalEvaluator(model, config.replay.discount)
+    network = LocalNetwork(model, config.replay.discount)
     max_steps = args.max_steps or config.run.eval_max_steps
-    returns = play_episodes(config.env, evaluator, config.search, args.episodes, max_steps, args.seed)
+    returns = play_episodes(config.env, network, config.search, args.episodes, max_steps, args.seed)
     print(f"{config.env.id}: {np.mean(returns):.2f} ± {np.std(returns):.2f} over {len(returns)} episodes "
           f"(checkpoint {checkpoint})")
     if args.gif:
-        episode_return = record_gif(config.env, evaluator, config.search, args.gif, max_steps, args.seed)
+        episode_return = record_gif(config.env, network, config.search, args.gif, max_steps, args.seed)
         print(f"wrote {args.gif} (episode return {episode_return:.1f})")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from rayzero import config as config_lib
+
+    preset, overrides = args.preset, list(args.overrides)
+    if "=" in preset:  # `rayzero config a.b=1`: no preset given, only overrides
+        preset, overrides = "cartpole", [preset, *overrides]
+    print(config_lib.describe(config_lib.load(preset, overrides)))
     return 0
 
 
@@ -144,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    handlers = {"train": _train, "eval": _eval, "bench": _bench}
+    handlers = {"train": _train, "eval": _eval, "bench": _bench, "config": _config}
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, UsageError) as error:

@@ -9,7 +9,10 @@ valid. Every component receives only its own section.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +85,7 @@ class ModelConfig:
     """The MuZero networks: representation, dynamics and prediction."""
 
     kind: str = "auto"
-    """'mlp' for vector observations, 'resnet' for images, 'transformer' (inference issue), or 'auto'."""
+    """'mlp' for vector observations, 'resnet' for images, 'transformer' (models/transformer.py), or 'auto'."""
     latent_dim: int = 64
     """MLP: size of the latent state."""
     hidden: int = 128
@@ -105,6 +108,19 @@ class ModelConfig:
     """Hidden size of the value-prefix LSTM."""
     value_prefix_horizon: int = 5
     """Steps after which the prefix and the LSTM state restart from zero."""
+    transformer_dim: int = 256
+    """Transformer: width of the tokens."""
+    transformer_heads: int = 8
+    """Transformer: attention heads (must divide transformer_dim)."""
+    transformer_layers: int = 6
+    """Transformer: blocks in each of representation and dynamics."""
+    transformer_latent_tokens: int = 8
+    """Transformer: tokens of the latent state."""
+    transformer_patch: int = 0
+    """Transformer: side of the square image patches that become tokens (0 = the smallest that fits
+    transformer_max_tokens)."""
+    transformer_max_tokens: int = 512
+    """Transformer: most input tokens of one observation."""
 
     def __post_init__(self) -> None:
         _check("model", self, [
@@ -120,6 +136,13 @@ class ModelConfig:
             ("reduced_channels", self.reduced_channels >= 1, ">= 1"),
             ("head_hidden", self.head_hidden >= 1, ">= 1"),
             ("support_size", self.support_size >= 1, ">= 1"),
+            ("transformer_dim", self.transformer_dim >= 1, ">= 1"),
+            ("transformer_heads", self.transformer_heads >= 1 and self.transformer_dim % self.transformer_heads == 0,
+             ">= 1 and a divisor of model.transformer_dim"),
+            ("transformer_layers", self.transformer_layers >= 1, ">= 1"),
+            ("transformer_latent_tokens", self.transformer_latent_tokens >= 1, ">= 1"),
+            ("transformer_patch", self.transformer_patch >= 0, ">= 0 (0 = auto)"),
+            ("transformer_max_tokens", self.transformer_max_tokens >= 1, ">= 1"),
         ])
 
 
@@ -146,7 +169,7 @@ class ReplayConfig:
     shared_obs: bool = False
     """Keep observations in node-local shared memory (/dev/shm): learners on the replay's node gather them
     straight into pinned memory instead of receiving them through Ray (for image observations, where a batch
-    of 1024 is 113 MB). Falls back to private memory, with a warning, when /dev/shm is too small."""
+    is large). Falls back to private memory, with a warning, when /dev/shm is too small."""
     next_obs: bool = False
     """Batches carry the observations at t+1..t+K (needed by learner.consistency_weight > 0)."""
     bootstrap_obs: bool = False
@@ -230,12 +253,11 @@ class LearnerConfig:
     logged warning, when compilation fails."""
     compile_mode: str = "reduce-overhead"
     """torch.compile mode. 'reduce-overhead' replays the step as CUDA graphs: without them the compiled step is
-    bound by Python launching its kernels (H200, batch 1024: 32.0 ms per step with 'default', 11.6 ms with
-    'reduce-overhead'). Also 'default', 'max-autotune', 'max-autotune-no-cudagraphs'. A mode that fails falls
-    back to 'default', then to eager."""
+    bound by Python launching its kernels (docs/benchmarks.md). Also 'default', 'max-autotune',
+    'max-autotune-no-cudagraphs'. A mode that fails falls back to 'default', then to eager."""
     channels_last: bool = False
-    """Keep the conv net and image batches in NHWC memory format. Off: on an H200 with torch.compile, NHWC took
-    35.0 ms per step at batch 1024 against 32.0 ms for NCHW. Ignored for vector observations."""
+    """Keep the conv net and image batches in NHWC memory format (off: slower than NCHW with torch.compile,
+    docs/benchmarks.md). Ignored for vector observations."""
     prefetch: int = 2
     """Batches sampled, gathered into pinned memory and copied to the device ahead of the update (0 = in line)."""
     gather_threads: int = 4
@@ -262,8 +284,7 @@ class LearnerConfig:
     'flat': after the backward, every gradient packed into one buffer and all-reduced at once. 'ddp': torch's
     DistributedDataParallel (buckets all-reduced as gradients become ready, gradients kept as views of the
     buckets). A compiled backward hands all gradients over together, so DDP cannot overlap its all-reduce with
-    the backward and its per-parameter bucket copies are extra kernels: on 2 H200s 'flat' scaled 1.82x, 'ddp'
-    1.80x (docs/benchmarks.md). Either way BatchNorm statistics stay per rank (rank 0's are published) and the
+    the backward, and its per-parameter bucket copies are extra kernels (docs/benchmarks.md). Either way BatchNorm statistics stay per rank (rank 0's are published) and the
     parameters equal one rank's on the combined batch (tests/test_learner_ddp.py)."""
 
     def __post_init__(self) -> None:
@@ -314,8 +335,7 @@ class InferenceConfig:
     fp32_heads: bool = True
     """With bf16: run the value, reward and policy heads in float32 (False = everything bf16)."""
     channels_last: bool = True
-    """CUDA: keep conv weights in channels-last layout (NHWC kernels for bf16 convs; 1.6x on the H200 at
-    batch 4096)."""
+    """CUDA: keep conv weights in channels-last layout (NHWC kernels for bf16 convs; docs/benchmarks.md)."""
     search_max_batch: int = 1024
     """Largest bucket of whole-search CUDA graphs (one per bucket of the ladder up to here, captured at
     start-up for the run's search config; other configs are captured on first use). Bigger search
@@ -383,8 +403,6 @@ class ClusterConfig:
     num_selfplay_actors). Actors lost with a node are dropped and replaced when resources return."""
     request_resources: bool = False
     """Ask the autoscaler (ray.autoscaler.sdk.request_resources) for max_selfplay_actors' CPUs."""
-    elastic_interval: float = 10.0
-    """Seconds between checks for room to add self-play actors."""
     address: str = ""
     """Ray address to connect to; empty = RAY_ADDRESS, a job's cluster, or a new local ray.init()."""
     num_cpus: int = 0
@@ -407,7 +425,6 @@ class ClusterConfig:
             ("num_cpus", self.num_cpus >= 0, ">= 0"),
             ("max_selfplay_actors", self.max_selfplay_actors == 0 or self.max_selfplay_actors >= self.num_selfplay_actors,
              "0 (fixed) or >= cluster.num_selfplay_actors"),
-            ("elastic_interval", self.elastic_interval > 0, "> 0"),
         ])
 
 
@@ -431,7 +448,9 @@ class RunConfig:
     """Step cap of an evaluation episode."""
     stop_return: float = 0.0
     """Stop early once an evaluation's mean return reaches this (0 = never)."""
-    temperature_schedule: tuple[tuple[int, float], ...] = ((0, 1.0), (5000, 0.5), (10000, 0.25))
+    # (learner step, temperature) pairs, typed loosely for OmegaConf: 2.3 cannot type a tuple of pairs (and
+    # rejected the preset); __post_init__ checks and converts the pairs.
+    temperature_schedule: tuple[Any, ...] = ((0, 1.0), (5000, 0.5), (10000, 0.25))
     """(learner step, visit temperature) pairs: self-play uses the last entry whose step has passed."""
     local_dir: str = ""
     """Local working copy of the run dir when --out is a URI (empty = a new temporary directory)."""
@@ -442,7 +461,14 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         # OmegaConf hands sequences over as lists; keep the frozen dataclass hashable and comparable.
-        object.__setattr__(self, "temperature_schedule", tuple(tuple(p) for p in self.temperature_schedule))
+        try:
+            schedule = tuple((int(step), float(temperature)) for step, temperature in self.temperature_schedule)
+        except (TypeError, ValueError):
+            schedule = None
+        if schedule is None or not all(step >= 0 and temperature >= 0 for step, temperature in schedule):
+            raise ConfigError(f"run.temperature_schedule={self.temperature_schedule!r} is invalid: must be a list of "
+                              f"[learner step >= 0, temperature >= 0] pairs")
+        object.__setattr__(self, "temperature_schedule", schedule)
         _check("run", self, [
             ("time_limit", self.time_limit >= 0, ">= 0"),
             ("max_env_steps", self.max_env_steps >= 0, ">= 0"),
@@ -466,6 +492,30 @@ class Config:
     inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        """Rules between sections (each section checks its own fields)."""
+        replay, learner, env = self.replay, self.learner, self.env
+        k = replay.frame_stack
+        if k > 1 and not (env.is_atari and k == env.frame_stack):
+            # Replay restacks single frames: only right for Atari observations that stack that many frames.
+            raise ConfigError(f"replay.frame_stack={k} needs an Atari env (ALE/...) stacking {k} frames; got "
+                              f"env.id={env.id!r} with env.frame_stack={env.frame_stack}: set replay.frame_stack "
+                              f"to 0 or to env.frame_stack")
+        if learner.consistency_weight > 0 and not replay.next_obs:
+            raise ConfigError("learner.consistency_weight > 0 needs replay.next_obs=true")
+        if learner.target_update_interval and not replay.bootstrap_obs:
+            raise ConfigError("learner.target_update_interval > 0 needs replay.bootstrap_obs=true")
+        shards, ranks = replay.shards or self.cluster.num_learners, self.cluster.num_learners
+        if ranks % shards:
+            raise ConfigError(f"replay.shards={shards} must divide cluster.num_learners={ranks} (rank r samples "
+                              f"shard r % shards, so every shard is trained on); valid: 0 (one per rank) or a "
+                              f"divisor of {ranks}")
+        segment = replay.segment_length + replay.unroll_steps + replay.td_steps
+        if shards > 1 and replay.capacity // shards < segment:
+            raise ConfigError(f"replay.capacity={replay.capacity} split over {shards} shards leaves "
+                              f"{replay.capacity // shards} transitions per shard, less than one segment ({segment}); "
+                              f"raise replay.capacity or lower replay.shards")
 
 
 def presets() -> list[str]:
@@ -497,6 +547,10 @@ def load(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ())
     """Defaults, then the preset (name or YAML path), then `section.field=value` overrides; validated."""
     try:
         base = OmegaConf.structured(Config)
+        # omegaconf 2.3 marks the nodes of frozen dataclasses read-only, merges included; the dataclasses that
+        # `to_object` makes stay frozen.
+        for node in (base, *(base._get_node(key) for key in base)):
+            OmegaConf.set_readonly(node, False)
         layers = [base]
         if preset:
             layers.append(OmegaConf.load(_preset_path(preset)))
@@ -520,5 +574,36 @@ def to_yaml(config: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
-def from_yaml_file(path: str | Path) -> Config:
-    return load(str(path))
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: its docstring} of a config dataclass: the string literal under each field (read with `ast`)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def describe(config: Config) -> str:
+    """The config as YAML (it loads back as a preset), every field under a comment of its documentation."""
+    import yaml
+
+    lines = []
+    for section in dataclasses.fields(config):
+        part = getattr(config, section.name)
+        summary = inspect.cleandoc(type(part).__doc__ or "").splitlines()
+        lines.append(f"{section.name}:" + (f"  # {summary[0]}" if summary else ""))
+        docs = field_docs(type(part))
+        for field in dataclasses.fields(part):
+            lines += [f"  # {line}".rstrip() for line in docs.get(field.name, "").splitlines()]
+            value = yaml.safe_dump(_plain(getattr(part, field.name)), default_flow_style=True, width=1 << 20)
+            value = value.strip().removesuffix("...").strip()
+            lines.append(f"  {field.name}: {value}")
+    return "\n".join(lines)

@@ -1,16 +1,19 @@
-"""The driver loop: starts the roles, keeps the self-play-to-learning ratio, evaluates, checkpoints, logs.
+"""The driver: starts the roles, issues the calls that the schedule decides, records their results.
 
-The driver never sleeps to poll: it waits on the futures of whichever roles are busy (`ray.wait`) and
-schedules the next piece of work from the counters. Self-play runs while the learner keeps up
-(learner samples >= replay_ratio * env steps, minus a slack); the learner runs while it is behind.
+What runs next is decided in schedule.py (no Ray there); this module waits on the calls in flight (`ray.wait`,
+never a sleep), records what comes back (counters, metrics, evaluations), fans the new weights out, replaces
+lost self-play actors, writes checkpoints when due and, at the end, lets in-flight work finish and writes a
+final checkpoint and summary.json. Ctrl-C and SIGTERM both end a run that way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +24,16 @@ from rayzero import cluster
 from rayzero.config import Config, to_yaml
 from rayzero.envs import env_spec
 from rayzero.learner import checkpoint as ckpt
+from rayzero.logs import logger
 from rayzero.replay.buffer import diagnostic_means
+from rayzero.schedule import COLLECT, LEARN, REANALYSE, Call, Counters, Rules, Schedule
 from rayzero.storage import RunStorage
 
+__all__ = ["Driver", "check_fresh", "check_resumable", "train"]
 
-class Interrupted(Exception):
-    pass
-
-
-def temperature_at(schedule: tuple[tuple[int, float], ...], learner_steps: int) -> float:
-    value = schedule[0][1] if schedule else 1.0
-    for step, temperature in schedule:
-        if learner_steps >= step:
-            value = temperature
-    return value
+log = logger(__name__)
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
+"""What a run dir holds once a run has started in it."""
 
 
 class MetricsLog:
@@ -89,6 +88,14 @@ def plot_learning_curve(run_dir: Path) -> None:
     plt.close(fig)
 
 
+def check_fresh(run_dir: Path) -> None:
+    """A CheckpointError if `run_dir` already holds a run (training there again needs --resume)."""
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if found:
+        raise ckpt.CheckpointError(f"--out {str(run_dir)!r} already holds a run ({', '.join(found)}): pass --resume "
+                                   f"to continue it, or choose another directory")
+
+
 def check_resumable(run_dir: Path) -> tuple[Path, dict]:
     """The latest checkpoint and its state, or a CheckpointError naming what is missing or corrupt."""
     from safetensors import safe_open
@@ -107,24 +114,34 @@ def check_resumable(run_dir: Path) -> tuple[Path, dict]:
 
 
 class Driver:
+    """One training run: the roles' handles, the counters, the calls in flight."""
+
     def __init__(self, config: Config, out: str, resume: bool):
         self.config = config
         self.storage = RunStorage(out, config.run.local_dir)
         self.run_dir = self.storage.local
         self.resume = resume
         self.spec = env_spec(config.env)
-        self.env_steps = 0
-        self.learner_steps = 0
-        self.episodes = 0
-        self.reanalysed = 0  # positions re-searched by reanalyse workers in this run
+        self.counters = Counters()
+        self.at_start = Counters()  # the counters restored from the checkpoint (zero for a new run)
+        self.replay_at_start = {"size": 0, "total_added": 0}
         self.wall_before = 0.0
+        self.start = time.perf_counter()
         self.last_eval: dict[str, Any] | None = None
         self.best_eval = -math.inf
         self.train_returns: list[float] = []
         self.last_metrics: dict[str, float] = {}
         self.stop_reason = ""
-        self.solved_weights: Any = None
-        self.interrupt_requested = False  # set by Ctrl-C (SIGINT)
+        self.interrupt_requested = False  # set by Ctrl-C or SIGTERM
+        self.schedule: Schedule | None = None
+        self.pending: dict[Any, Call] = {}  # ref -> the call it answers: what is in flight
+        self.actors: dict[int, Any] = {}  # live self-play actors by index
+        self.active: set[int] = set()  # actors that have delivered at least one collect
+        self.next_index = 0
+        self.losses_in_a_row = 0
+        self.weights: Any = None  # ref of the latest published (version, state_dict)
+        self.eval_weights: Any = None  # the weights the evaluation in flight plays with
+        self.solved_weights: Any = None  # the weights whose evaluation met run.stop_return
         self.learner_version = 0  # of the weights the learner last published
         self.acting_versions: dict[int, int] = {}  # self-play actor -> weight version of its last collect
         self.replay_stats_before: dict | None = None  # replay diagnostics at the previous progress row
@@ -132,263 +149,237 @@ class Driver:
     # -- checkpoints -----------------------------------------------------------------------------------
 
     def save_checkpoint(self, handles: cluster.Handles) -> Path:
-        staging = ckpt.staging_dir(self.run_dir, self.learner_steps)
+        staging = ckpt.staging_dir(self.run_dir, self.counters.learner_steps)
         ray.get([handles.learner.save.remote(str(staging)), *handles.replay.snapshot(staging)])
         counters = ray.get(handles.learner.counters.remote())
-        self.learner_steps = counters["learner_steps"]
+        self.counters.learner_steps = counters["learner_steps"]
         state = {
-            "env_steps": self.env_steps, "learner_steps": counters["learner_steps"], "version": counters["version"],
-            "episodes": self.episodes, "wall_seconds": self.wall_before + time.perf_counter() - self.start,
+            "env_steps": self.counters.env_steps, "learner_steps": counters["learner_steps"],
+            "version": counters["version"], "episodes": self.counters.episodes, "wall_seconds": self._wall(),
             "env_id": self.config.env.id, "best_eval_return": None if self.best_eval == -math.inf else self.best_eval,
         }
         path = ckpt.commit(self.run_dir, staging, counters["learner_steps"], state)
         self.storage.sync()
         return path
 
-    # -- the loop --------------------------------------------------------------------------------------
+    def _wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.start
+
+    # -- start and end ---------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         config, run_dir = self.config, self.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint = None
-        if self.resume:
-            self.storage.fetch()
-            checkpoint, state = check_resumable(run_dir)
-            self.env_steps, self.learner_steps = state["env_steps"], state["learner_steps"]
-            self.episodes, self.wall_before = state.get("episodes", 0), state.get("wall_seconds", 0.0)
-            if state.get("best_eval_return") is not None:
-                self.best_eval = state["best_eval_return"]
+        checkpoint = self._read_checkpoint() if self.resume else None
         (run_dir / "config.yaml").write_text(to_yaml(config))
         how = cluster.connect(config.cluster)
-        print(f"rayzero: Ray {how}, resources {ray.cluster_resources()}", flush=True)
+        log.info("Ray %s, resources %s", how, ray.cluster_resources())
+        plan = cluster.plan(config, ray.cluster_resources())
+        (run_dir / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2))
+        log.info("resource plan (per actor; also in %s):\n%s", run_dir / "plan.json", plan.table())
         self.start = time.perf_counter()
-        handles = cluster.build(config, self.spec)
-        self.env_steps_at_start, self.learner_steps_at_start = self.env_steps, self.learner_steps
-        self.replay_at_start = {"size": 0, "total_added": 0}
+        handles = cluster.build(config, self.spec, plan)
         if checkpoint is not None:
             ray.get([handles.learner.load.remote(str(checkpoint)), *handles.replay.restore(checkpoint)])
             self.replay_at_start = handles.replay.stats()
-            print(f"rayzero: resumed from {checkpoint} at env_steps={self.env_steps} "
-                  f"learner_steps={self.learner_steps}, replay {self.replay_at_start['size']} transitions", flush=True)
-        self.replay_transitions = self.replay_at_start["total_added"]
-        log = MetricsLog(run_dir)
-        previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
-        previous_int = signal.signal(signal.SIGINT, self._on_sigint)
+            log.info("resumed from %s at env_steps=%d learner_steps=%d, replay %d transitions", checkpoint,
+                     self.counters.env_steps, self.counters.learner_steps, self.replay_at_start["size"])
+        self.counters.replay_transitions = self.replay_at_start["total_added"]
+        metrics = MetricsLog(run_dir)
+        with self._signals():  # through the final evaluation and checkpoint: a signal there changes nothing
+            try:
+                self._loop(handles, metrics)
+            except KeyboardInterrupt:  # a second signal: stop waiting for in-flight work
+                self.stop_reason = "interrupted"
+                log.info("interrupted; writing a checkpoint and the summary")
+            return self._finish(handles, metrics)
+
+    def _read_checkpoint(self) -> Path:
+        self.storage.fetch()
+        checkpoint, state = check_resumable(self.run_dir)
+        self.counters.env_steps, self.counters.learner_steps = state["env_steps"], state["learner_steps"]
+        self.counters.episodes, self.wall_before = state.get("episodes", 0), state.get("wall_seconds", 0.0)
+        self.at_start = Counters(env_steps=self.counters.env_steps, learner_steps=self.counters.learner_steps)
+        if state.get("best_eval_return") is not None:
+            self.best_eval = state["best_eval_return"]
+        return checkpoint
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self._loop(handles, log)
-        except (KeyboardInterrupt, Interrupted):
-            self.stop_reason = "interrupted"
-            print("\nrayzero: interrupted; writing a checkpoint and the summary", flush=True)
+            yield
         finally:
-            signal.signal(signal.SIGTERM, previous_term)
-            signal.signal(signal.SIGINT, previous_int)
-        summary = self._finish(handles, log)
-        return summary
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
-    def _on_sigterm(self, *_: Any) -> None:
-        raise Interrupted()
-
-    def _on_sigint(self, *_: Any) -> None:
-        """Ctrl-C: the loop stops at its next turn (within a second or so), lets in-flight work finish and writes
-        a checkpoint; a flag rather than an exception, so no library call in between can swallow it. A second
-        Ctrl-C raises at once."""
+    def _on_signal(self, *_: Any) -> None:
+        """Ctrl-C or SIGTERM (`ray job stop`, Kubernetes): the loop stops at its next turn (within a second or
+        so), lets in-flight work finish and writes a checkpoint; a flag rather than an exception, so no library
+        call in between can swallow it. A second signal raises at once."""
         if self.interrupt_requested:
             raise KeyboardInterrupt
         self.interrupt_requested = True
 
-    def _loop(self, handles: cluster.Handles, log: MetricsLog) -> None:
-        config = self.config
-        run, learner_cfg, replay_cfg = config.run, config.learner, config.replay
-        num_envs = config.env.num_envs
-        collect_env_steps = run.selfplay_steps_per_call * num_envs
-        slack = learner_cfg.replay_ratio * max(replay_cfg.min_size, 2 * collect_env_steps * len(handles.selfplay))
-        ranks = config.cluster.num_learners  # each rank trains on its own batch of batch_size
-        samples_per_call = learner_cfg.steps_per_call * learner_cfg.batch_size * ranks
-        weights = handles.learner.weights.remote()
-        if handles.inference is not None:
-            ray.get(handles.inference.set_weights.remote(*ray.get(weights)))
-        pending: dict[Any, tuple[str, int]] = {}
-        self.actors = dict(enumerate(handles.selfplay))
-        self.active: set[int] = set()  # actors that have delivered at least one collect
-        next_index = len(self.actors)
-        losses_in_a_row = 0
-        busy: set[int] = set()
-        learner_busy = eval_busy = False
-        reanalyse_cfg = config.reanalyse
-        reanalysing: set[int] = set()
-        reanalyse_calls = 0
-        shards_filled = len(handles.replay) == 1
-        next_eval = time.perf_counter() + run.eval_interval
-        next_log = time.perf_counter() + run.log_interval
-        next_checkpoint = (self.learner_steps // learner_cfg.checkpoint_interval + 1) * learner_cfg.checkpoint_interval
-        env_steps_at_start = self.env_steps
-        learner_steps_at_start = self.learner_steps
-        start = self.start
-        # Transitions the ratio does not count: what self-play added while the learner's first call (and its
-        # compilation) ran, so the learner does not start a minute behind with self-play stalled.
-        ratio_base = 0.0
+    # -- the loop --------------------------------------------------------------------------------------
 
+    def _loop(self, handles: cluster.Handles, metrics: MetricsLog) -> None:
+        rules = Rules.from_config(self.config, len(handles.selfplay), len(handles.replay), len(handles.reanalyse))
+        schedule = self.schedule = Schedule(rules, self.start, self.counters.learner_steps, time.perf_counter())
+        self.actors = dict(enumerate(handles.selfplay))
+        self.next_index = len(self.actors)
+        self._publish(handles, wait=True)
         while True:
-            now = time.perf_counter()
-            elapsed = now - start
-            if self.interrupt_requested:
-                self.stop_reason = "interrupted"
-                print("\nrayzero: interrupted; finishing in-flight work, then a checkpoint and the summary", flush=True)
-            elif run.time_limit and elapsed >= run.time_limit:
-                self.stop_reason = "time_limit"
-            elif run.max_env_steps and self.env_steps >= run.max_env_steps:
-                self.stop_reason = "max_env_steps"
-            elif run.max_learner_steps and self.learner_steps >= run.max_learner_steps:
-                self.stop_reason = "max_learner_steps"
+            self.stop_reason = self.stop_reason or schedule.stop_reason(
+                self.counters, time.perf_counter(), self.interrupt_requested)
             if self.stop_reason:
                 break
-            learner_samples = self.learner_steps * learner_cfg.batch_size * ranks
-            # Ratio of learner samples to transitions that reached replay (env steps still in an actor's
-            # segment buffer cannot be trained on yet).
-            target = learner_cfg.replay_ratio * (self.replay_transitions - ratio_base)
-            learner_ready = self.replay_transitions >= max(1, replay_cfg.min_size)
-            if learner_ready and not shards_filled:  # every rank's shard must hold something to sample
-                shards_filled = learner_ready = handles.replay.all_sampleable()
-            # Schedule self-play while the learner keeps up (always, until replay can feed the learner).
-            temperature = temperature_at(run.temperature_schedule, self.learner_steps)
-            # Until the learner's first call returns (its compilation can take a minute) self-play runs freely.
-            throttle = learner_ready and self.learner_steps > learner_steps_at_start
-            for i, actor in list(self.actors.items()):
-                if i not in busy and (not throttle or target <= learner_samples + slack):
-                    ref = actor.collect.remote(run.selfplay_steps_per_call, temperature, weights)
-                    pending[ref] = ("collect", i)
-                    busy.add(i)
-            # Schedule the learner while it is behind.
-            if not learner_busy and learner_ready and learner_samples < target + samples_per_call:
-                pending[handles.learner.train.remote(handles.replay.for_learner(), learner_cfg.steps_per_call)] = ("learn", 0)
-                learner_busy = True
-            # Reanalyse while it is behind its share of the samples trained on (round-robin over shards).
-            for i, worker in enumerate(handles.reanalyse):
-                if i not in reanalysing and learner_ready and self.reanalysed < reanalyse_cfg.fraction * learner_samples:
-                    shard = handles.replay.actors[reanalyse_calls % len(handles.replay)]
-                    reanalyse_calls += 1
-                    pending[worker.reanalyse.remote(shard, weights, reanalyse_cfg.batch_size)] = ("reanalyse", i)
-                    reanalysing.add(i)
-            if not eval_busy and now >= next_eval and self.learner_steps > 0:
-                eval_weights = weights
-                ref = handles.evaluator.evaluate.remote(weights, run.eval_episodes, run.eval_max_steps,
-                                                        run.seed + 10_000)
-                pending[ref] = ("eval", 0)
-                eval_busy = True
-            # At most a second, so a Ctrl-C (a flag, see _on_sigint) is noticed promptly.
-            timeout = max(0.01, min(next_log, next_eval, time.perf_counter() + 1.0) - time.perf_counter())
-            if run.time_limit:
-                timeout = min(timeout, max(0.01, start + run.time_limit - time.perf_counter()))
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            in_flight = {call.key for call in self.pending.values()}
+            for call in schedule.next_calls(self.counters, in_flight, self.actors, time.perf_counter(),
+                                            handles.replay.all_sampleable):
+                self.pending[self._issue(call, handles)] = call
+            timeout = schedule.wait_timeout(time.perf_counter())
+            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
             for ref in ready:
-                kind, index = pending.pop(ref)
-                if kind == "collect":
-                    busy.discard(index)
-                    try:
-                        result = ray.get(ref)
-                    except ray.exceptions.RayActorError as error:
-                        # Its node went away (or it crashed): replace it; the new one starts wherever there is
-                        # room, or waits pending until a node joins. Segments already sent stay in replay.
-                        losses_in_a_row += 1
-                        if losses_in_a_row > 2 * len(self.actors) + 2:
-                            # Actors die as fast as they are made: a bug or a bad env, not a lost node.
-                            raise RuntimeError(f"self-play actors keep failing; last error: {error}") from error
-                        lost = self.actors.pop(index)
-                        self.active.discard(index)
-                        ray.kill(lost, no_restart=True)
-                        self.actors[next_index] = cluster.make_selfplay(
-                            config, handles.plan, handles.replay, handles.inference, next_index)
-                        print(f"rayzero: self-play actor {index} lost ({type(error).__name__}); "
-                              f"replaced by actor {next_index}", flush=True)
-                        next_index += 1
-                        continue
-                    self.active.add(index)
-                    self.acting_versions[index] = result["version"]
-                    losses_in_a_row = 0
-                    self.env_steps += result["env_steps"]
-                    self.replay_transitions += result["transitions_sent"]
-                    self.episodes += len(result["episode_returns"])
-                    self.train_returns.extend(result["episode_returns"])
-                elif kind == "learn":
-                    learner_busy = False
-                    result = ray.get(ref)
-                    if result["learner_steps"] < self.learner_steps:
-                        print(f"rayzero: the learner group restarted from its last checkpoint "
-                              f"(learner steps {self.learner_steps} -> {result['learner_steps']})", flush=True)
-                    if self.learner_steps == learner_steps_at_start:  # the first call of this run
-                        samples = result["learner_steps"] * learner_cfg.batch_size * ranks
-                        ratio_base = max(0.0, self.replay_transitions - samples / learner_cfg.replay_ratio)
-                    self.learner_steps = result["learner_steps"]
-                    self.learner_version = result["version"]
-                    self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float)}
-                    weights = handles.learner.weights.remote()
-                    if handles.inference is not None:
-                        handles.inference.set_weights.remote(*ray.get(weights))
-                    if self.learner_steps >= next_checkpoint:
-                        self.save_checkpoint(handles)
-                        next_checkpoint += learner_cfg.checkpoint_interval
-                elif kind == "reanalyse":
-                    reanalysing.discard(index)
-                    try:
-                        self.reanalysed += ray.get(ref)["positions"]
-                    except ray.exceptions.RayActorError as error:  # Ray restarts the worker; the loop goes on
-                        print(f"rayzero: reanalyse worker {index} failed ({type(error).__name__}); retrying",
-                              flush=True)
-                else:
-                    eval_busy = False
-                    result = ray.get(ref)
-                    self._record_eval(result, log)
-                    next_eval = time.perf_counter() + run.eval_interval
-                    if run.stop_return and result["mean"] >= run.stop_return:
-                        self.stop_reason = "stop_return"
-                        self.solved_weights = eval_weights
-            if time.perf_counter() >= next_log:
-                self._log_progress(log, env_steps_at_start, learner_steps_at_start, handles)
-                next_log = time.perf_counter() + run.log_interval
-        # Let in-flight work end cleanly, so the learner and replay are consistent for the checkpoint. A collect
-        # of an actor that never started (pending until a node with room joins) would never end: not waited for.
-        waited = [ref for ref, (kind, i) in pending.items() if kind != "collect" or i in self.active]
-        if waited:
-            ray.wait(waited, num_returns=len(waited), timeout=120)
-            for ref, (kind, _) in pending.items():
-                try:
-                    result = ray.get(ref, timeout=0)
-                except Exception:  # noqa: BLE001 - work cut off at shutdown is dropped
-                    continue
-                if kind == "collect":
-                    self.env_steps += result["env_steps"]
-                    self.episodes += len(result["episode_returns"])
-                elif kind == "learn":
-                    self.learner_steps = result["learner_steps"]
-                elif kind == "reanalyse":
-                    self.reanalysed += result["positions"]
+                self._record(ref, self.pending.pop(ref), handles, metrics)
+            if schedule.log_due(time.perf_counter()):
+                self._log_progress(metrics, handles)
+        if self.stop_reason == "interrupted":
+            log.info("interrupted; finishing in-flight work, then a checkpoint and the summary")
+        self._drain()
         if self.solved_weights is not None:
             # The learner ran on while the deciding evaluation played; keep the weights that met the bar,
             # so the checkpoint and the summary describe the same agent.
             ray.get(handles.learner.set_weights.remote(*ray.get(self.solved_weights)))
 
-    def _record_eval(self, result: dict[str, Any], log: MetricsLog) -> None:
+    def _publish(self, handles: cluster.Handles, wait: bool = False) -> None:
+        """The learner's latest weights, to the inference actor; self-play and the rest get the ref with their
+        next call."""
+        self.weights = handles.learner.weights.remote()
+        if handles.inference is not None:
+            done = handles.inference.set_weights.remote(*ray.get(self.weights))
+            if wait:
+                ray.get(done)
+
+    def _issue(self, call: Call, handles: cluster.Handles) -> Any:
+        """Start `call`; returns its ref."""
+        run = self.config.run
+        if call.role == COLLECT:
+            return self.actors[call.index].collect.remote(run.selfplay_steps_per_call, call.temperature, self.weights)
+        if call.role == LEARN:
+            return handles.learner.train.remote(handles.replay.for_learner(), self.config.learner.steps_per_call)
+        if call.role == REANALYSE:
+            shard = handles.replay.actors[call.shard]
+            return handles.reanalyse[call.index].reanalyse.remote(shard, self.weights, self.config.reanalyse.batch_size)
+        self.eval_weights = self.weights
+        return handles.evaluation.evaluate.remote(self.weights, run.eval_episodes, run.eval_max_steps,
+                                                  run.seed + 10_000)
+
+    def _record(self, ref: Any, call: Call, handles: cluster.Handles, metrics: MetricsLog) -> None:
+        """Take in the result of a finished call."""
+        if call.role == COLLECT:
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                self._replace_actor(call.index, error, handles)
+                return
+            self.active.add(call.index)
+            self.acting_versions[call.index] = result["version"]
+            self.losses_in_a_row = 0
+            self._add_collect(result)
+        elif call.role == LEARN:
+            self._add_learn(ray.get(ref))
+            self._publish(handles)
+            if self.schedule.checkpoint_due(self.counters.learner_steps):
+                self.save_checkpoint(handles)
+        elif call.role == REANALYSE:
+            try:
+                self.counters.reanalysed += ray.get(ref)["positions"]
+            except ray.exceptions.RayActorError as error:  # Ray restarts the worker; the loop goes on
+                log.info("reanalyse worker %d failed (%s); retrying", call.index, type(error).__name__)
+        else:
+            result = ray.get(ref)
+            self._record_eval(result, metrics)
+            self.schedule.evaluated(time.perf_counter())
+            if self.config.run.stop_return and result["mean"] >= self.config.run.stop_return:
+                self.stop_reason = "stop_return"
+                self.solved_weights = self.eval_weights
+
+    def _add_collect(self, result: dict[str, Any]) -> None:
+        self.counters.env_steps += result["env_steps"]
+        self.counters.replay_transitions += result["transitions_sent"]
+        self.counters.episodes += len(result["episode_returns"])
+        self.train_returns.extend(result["episode_returns"])
+
+    def _add_learn(self, result: dict[str, Any]) -> None:
+        if result["learner_steps"] < self.counters.learner_steps:
+            log.info("the learner group restarted from its last checkpoint (learner steps %d -> %d)",
+                     self.counters.learner_steps, result["learner_steps"])
+        self.counters.learner_steps = result["learner_steps"]
+        self.learner_version = result["version"]
+        self.schedule.learned(self.counters)
+        self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float)}
+
+    def _replace_actor(self, index: int, error: Exception, handles: cluster.Handles) -> None:
+        """A self-play actor's node went away (or it crashed): a new one starts wherever there is room, or waits
+        pending until a node joins. Segments it already sent stay in replay."""
+        self.losses_in_a_row += 1
+        if self.losses_in_a_row > 2 * len(self.actors) + 2:
+            # Actors die as fast as they are made: a bug or a bad env, not a lost node.
+            raise RuntimeError(f"self-play actors keep failing; last error: {error}") from error
+        lost = self.actors.pop(index)
+        self.active.discard(index)
+        ray.kill(lost, no_restart=True)
+        self.actors[self.next_index] = cluster.make_selfplay(
+            self.config, handles.plan, handles.replay, handles.inference, self.next_index)
+        log.info("self-play actor %d lost (%s); replaced by actor %d", index, type(error).__name__, self.next_index)
+        self.next_index += 1
+
+    def _drain(self) -> None:
+        """Let in-flight work end, so the learner and replay are consistent for the checkpoint. A collect of an
+        actor that never started (pending until a node with room joins) would never end: not waited for."""
+        waited = [ref for ref, call in self.pending.items() if call.role != COLLECT or call.index in self.active]
+        if not waited:
+            return
+        ray.wait(waited, num_returns=len(waited), timeout=120)
+        for ref, call in self.pending.items():
+            try:
+                result = ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - work cut off at shutdown is dropped
+                continue
+            if call.role == COLLECT:
+                self._add_collect(result)
+            elif call.role == LEARN:
+                self.counters.learner_steps = result["learner_steps"]
+            elif call.role == REANALYSE:
+                self.counters.reanalysed += result["positions"]
+        self.pending.clear()
+
+    # -- records ---------------------------------------------------------------------------------------
+
+    def _record_eval(self, result: dict[str, Any], metrics: MetricsLog) -> None:
         self.last_eval = result
         self.best_eval = max(self.best_eval, result["mean"])
-        log.write({
-            "time": time.time(), "wall_seconds": self.wall_before + time.perf_counter() - self.start,
-            "env_steps": self.env_steps, "learner_steps": self.learner_steps, "version": result["version"],
+        metrics.write({
+            "time": time.time(), "wall_seconds": self._wall(), "env_steps": self.counters.env_steps,
+            "learner_steps": self.counters.learner_steps, "version": result["version"],
             "eval_return_mean": result["mean"], "eval_return_std": result["std"],
             "eval_episodes": len(result["returns"]),
             **{f"eval_{key}": result[key] for key in ("seconds", "steps", "last_version") if key in result},
         })
-        print(f"rayzero: eval v{result['version']}: {result['mean']:.1f} ± {result['std']:.1f} "
-              f"over {len(result['returns'])} episodes", flush=True)
+        log.info("eval v%d: %.1f ± %.1f over %d episodes", result["version"], result["mean"], result["std"],
+                 len(result["returns"]))
 
-    def _log_progress(self, log: MetricsLog, env0: int, learn0: int, handles: cluster.Handles) -> None:
+    def _log_progress(self, metrics: MetricsLog, handles: cluster.Handles) -> None:
         elapsed = time.perf_counter() - self.start
-        recent = self.train_returns[-20:]
+        counters, recent = self.counters, self.train_returns[-20:]
         row = {
-            "time": time.time(), "wall_seconds": self.wall_before + elapsed, "env_steps": self.env_steps,
-            "selfplay_actors_active": len(self.active), "replay_transitions": self.replay_transitions,
-            "learner_steps": self.learner_steps, "env_steps_per_second": (self.env_steps - env0) / elapsed,
-            "learner_steps_per_second": (self.learner_steps - learn0) / elapsed, "episodes": self.episodes,
-            "reanalysed": self.reanalysed,
+            "time": time.time(), "wall_seconds": self.wall_before + elapsed, "env_steps": counters.env_steps,
+            "selfplay_actors_active": len(self.active), "replay_transitions": counters.replay_transitions,
+            "learner_steps": counters.learner_steps,
+            "env_steps_per_second": (counters.env_steps - self.at_start.env_steps) / elapsed,
+            "learner_steps_per_second": (counters.learner_steps - self.at_start.learner_steps) / elapsed,
+            "episodes": counters.episodes, "reanalysed": counters.reanalysed,
             **self.last_metrics,
         }
         if recent:
@@ -403,57 +394,61 @@ class Driver:
             self.replay_stats_before = replay_stats
         except ray.exceptions.GetTimeoutError:
             pass
-        log.write(row)
+        metrics.write(row)
         last = f"{self.last_eval['mean']:.1f}" if self.last_eval else "-"
         train = f"{row.get('train_return_mean', float('nan')):.1f}"
-        print(f"[{elapsed:6.0f}s] env steps {self.env_steps:>9,d} ({row['env_steps_per_second']:.0f}/s)  "
-              f"learner steps {self.learner_steps:>7,d} ({row['learner_steps_per_second']:.1f}/s)  "
-              f"train return {train}  eval {last}", flush=True)
+        log.info(f"[{elapsed:6.0f}s] env steps {counters.env_steps:>9,d} ({row['env_steps_per_second']:.0f}/s)  "
+                 f"learner steps {counters.learner_steps:>7,d} ({row['learner_steps_per_second']:.1f}/s)  "
+                 f"train return {train}  eval {last}")
 
-    def _finish(self, handles: cluster.Handles, log: MetricsLog) -> dict[str, Any]:
+    def _finish(self, handles: cluster.Handles, metrics: MetricsLog) -> dict[str, Any]:
+        """The final evaluation (unless the last one played the final weights), checkpoint and summary.json."""
         run = self.config.run
         final_weights = handles.learner.weights.remote()
         version = ray.get(final_weights)[0]
         if self.last_eval is None or self.last_eval["version"] != version or \
                 len(self.last_eval["returns"]) != run.eval_episodes:
-            result = ray.get(handles.evaluator.evaluate.remote(final_weights, run.eval_episodes, run.eval_max_steps,
-                                                               run.seed + 10_000))
-            self._record_eval(result, log)
+            result = ray.get(handles.evaluation.evaluate.remote(final_weights, run.eval_episodes, run.eval_max_steps,
+                                                                run.seed + 10_000))
+            self._record_eval(result, metrics)
         path = self.save_checkpoint(handles)
+        summary = self._summary(handles, version, path)
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(self.run_dir / "summary.json")
+        metrics.close()
+        self.storage.sync()
+        log.info("done (%s): %s env steps, %s learner steps in %.0fs; eval %.1f ± %.1f", self.stop_reason,
+                 f"{self.counters.env_steps:,d}", f"{self.counters.learner_steps:,d}", summary["wall_seconds"],
+                 summary["eval_return_mean"], summary["eval_return_std"])
+        return summary
+
+    def _summary(self, handles: cluster.Handles, version: int, checkpoint: Path) -> dict[str, Any]:
         replay_stats = handles.replay.stats()
-        wall = self.wall_before + time.perf_counter() - self.start
-        summary = {
+        counters, last_eval = self.counters, self.last_eval
+        return {
             "env_id": self.config.env.id,
-            "env_steps": self.env_steps,
-            "learner_steps": self.learner_steps,
-            "wall_seconds": wall,
-            "eval_return_mean": self.last_eval["mean"],
-            "eval_return_std": self.last_eval["std"],
-            "eval_episodes": len(self.last_eval["returns"]),
-            "eval_returns": self.last_eval["returns"],
+            "env_steps": counters.env_steps,
+            "learner_steps": counters.learner_steps,
+            "wall_seconds": self._wall(),
+            "eval_return_mean": last_eval["mean"],
+            "eval_return_std": last_eval["std"],
+            "eval_episodes": len(last_eval["returns"]),
+            "eval_returns": last_eval["returns"],
             "best_eval_return": self.best_eval,
-            "episodes": self.episodes,
-            "reanalysed_this_run": self.reanalysed,
+            "episodes": counters.episodes,
+            "reanalysed_this_run": counters.reanalysed,
             "weights_version": version,
-            "checkpoint": str(path),
+            "checkpoint": str(checkpoint),
             "stop_reason": self.stop_reason,
-            "env_steps_this_run": self.env_steps - self.env_steps_at_start,
-            "learner_steps_this_run": self.learner_steps - self.learner_steps_at_start,
+            "env_steps_this_run": counters.env_steps - self.at_start.env_steps,
+            "learner_steps_this_run": counters.learner_steps - self.at_start.learner_steps,
             "replay_size": replay_stats["size"],
             "replay_total_added": replay_stats["total_added"],
             "replay_size_at_start": self.replay_at_start["size"],
             "replay_total_added_at_start": self.replay_at_start["total_added"],
-            "seed": run.seed,
+            "seed": self.config.run.seed,
         }
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(self.run_dir / "summary.json")
-        log.close()
-        self.storage.sync()
-        print(f"rayzero: done ({self.stop_reason}): {self.env_steps:,d} env steps, {self.learner_steps:,d} learner "
-              f"steps in {wall:.0f}s; eval {summary['eval_return_mean']:.1f} ± {summary['eval_return_std']:.1f}",
-              flush=True)
-        return summary
 
 
 def train(config: Config, out: str | Path, resume: bool = False) -> dict[str, Any]:

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.actors.network import LocalNetwork, RemoteNetwork, search_observations
 from rayzero.config import EnvConfig, ModelConfig
 from rayzero.envs import make_render_env, make_vector_env
 from rayzero.models import build_model
-from rayzero.tree import SearchConfig, search
+from rayzero.tree import SearchConfig
 
 
 def greedy(search_cfg: SearchConfig) -> SearchConfig:
@@ -22,34 +22,30 @@ def greedy(search_cfg: SearchConfig) -> SearchConfig:
 
 
 def play_episodes(
-    env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int,
+    env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int,
     versions: list[int] | None = None,
 ) -> list[float]:
     """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns.
 
-    An evaluator with `whole_search` (the inference actor on a GPU) runs each step's search there, with the
+    A network with `whole_search` (the inference actor on a GPU) runs each step's search there, with the
     weights it holds at that moment; `versions`, when given, receives the weight version of every step."""
     env = make_vector_env(env_cfg, episodes, seed, training=False)
     config = greedy(search_cfg)
     generator = torch.Generator().manual_seed(seed)
-    remote = getattr(evaluator, "whole_search", False)
+    remote = getattr(network, "whole_search", False)
     try:
         obs = env.reset(seed=seed)
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
         for _ in range(max_steps):
             if remote:
-                answer = evaluator.search(obs, config.temperature, dirichlet_fraction=config.dirichlet_fraction,
-                                          gumbel_scale=config.gumbel_scale)
+                answer = network.search(obs, config.temperature, dirichlet_fraction=config.dirichlet_fraction,
+                                        gumbel_scale=config.gumbel_scale)
                 action = np.asarray(answer["action"])
                 if versions is not None:
                     versions.append(int(answer["version"]))
             else:
-                with torch.inference_mode():
-                    root = evaluator.root(obs)
-                    out = search(root, evaluator.recurrent_fn, config.num_simulations, config, generator=generator)
-                evaluator.release()
-                action = out.action.cpu().numpy()
+                action = search_observations(network, obs, config, generator).action.cpu().numpy()
             result = env.step(action)
             returns += np.where(done, 0.0, result.reward)
             done |= result.terminated | result.truncated
@@ -74,20 +70,18 @@ class EvalWorker:
         spec = env_spec(env_cfg)
         self.env_cfg, self.search_cfg = env_cfg, search_cfg
         if server is not None:
-            from rayzero.actors.evaluator import RemoteEvaluator
-
-            self.evaluator = RemoteEvaluator(server, discount, f"eval-{os.getpid()}", whole_search=True)
+            self.network = RemoteNetwork(server, discount, f"eval-{os.getpid()}", whole_search=True)
         else:
-            self.evaluator = LocalEvaluator(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
+            self.network = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
 
     def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int) -> dict[str, Any]:
         """Greedy episodes with `weights`; through the inference actor, with the weights it holds while the
         episodes play (the result's `version` is then the first step's, `last_version` the last step's)."""
         version, state_dict = weights
-        self.evaluator.set_weights(state_dict)
+        self.network.set_weights(state_dict)
         versions: list[int] = []
         start = time.perf_counter()
-        returns = play_episodes(self.env_cfg, self.evaluator, self.search_cfg, episodes, max_steps, seed, versions)
+        returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed, versions)
         result = {"version": versions[0] if versions else version, "returns": returns,
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
                   "seconds": time.perf_counter() - start, "steps": len(versions)}
@@ -96,7 +90,7 @@ class EvalWorker:
         return result
 
 
-def record_gif(env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, path: str, max_steps: int,
+def record_gif(env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, path: str, max_steps: int,
                seed: int) -> float:
     """Play one greedy episode in a rendering env and write its frames as a GIF; returns the episode return."""
     from PIL import Image
@@ -107,10 +101,7 @@ def record_gif(env_cfg: EnvConfig, evaluator: Any, search_cfg: SearchConfig, pat
     frames = [env.render()]
     total = 0.0
     for _ in range(max_steps):
-        with torch.inference_mode():
-            root = evaluator.root(np.asarray(obs)[None])
-            out = search(root, evaluator.recurrent_fn, config.num_simulations, config)
-        evaluator.release()
+        out = search_observations(network, np.asarray(obs)[None], config)
         obs, reward, terminated, truncated, _ = env.step(int(out.action[0]))
         total += float(reward)
         frames.append(env.render())

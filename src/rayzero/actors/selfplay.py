@@ -20,12 +20,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.actors.network import LocalNetwork, search_observations
 from rayzero.config import EnvConfig, ModelConfig, ReplayConfig
 from rayzero.envs import make_vector_env
 from rayzero.models import build_model
 from rayzero.replay.buffer import Segment
-from rayzero.tree import SearchConfig, search
+from rayzero.tree import SearchConfig
 
 
 class SelfPlayWorker:
@@ -59,7 +59,7 @@ class SelfPlayWorker:
         self.replay_cfg = replay_cfg
         self.sink = sink
         if evaluator is None:
-            evaluator = LocalEvaluator(build_model(model_cfg, spec.observation_shape, spec.num_actions), replay_cfg.discount)
+            evaluator = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), replay_cfg.discount)
         self.evaluator = evaluator
         self.generator = torch.Generator().manual_seed(seed)
         self.version = -1
@@ -116,12 +116,7 @@ class SelfPlayWorker:
             self.version = int(answer.get("version", self.version))  # the weights the inference actor acted with
             return self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
         config = dataclasses.replace(self.search_cfg, temperature=temperature)
-        # Inference mode: no autograd bookkeeping on the search's many small ops.
-        with torch.inference_mode():
-            root = self.evaluator.root(half.obs)
-            out = search(root, self.evaluator.recurrent_fn, config.num_simulations, config,
-                         generator=self.generator)
-        self.evaluator.release()
+        out = search_observations(self.evaluator, half.obs, config, self.generator)
         return self._advance(half, out.action.cpu().numpy(), out.action_weights.float().cpu().numpy(),
                              out.root_value.float().cpu().numpy())
 
@@ -142,7 +137,7 @@ class SelfPlayWorker:
             half.searching = True
         return segments
 
-    def _advance(self, half: "_Half", actions: np.ndarray, policy: np.ndarray,
+    def _advance(self, half: _Half, actions: np.ndarray, policy: np.ndarray,
                  root_value: np.ndarray) -> list[Segment]:
         """Record one searched step of `half`'s envs, step them, and cut the segments that this completes."""
         rows = half.rows

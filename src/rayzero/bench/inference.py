@@ -177,17 +177,12 @@ def _atari_model_cfg():
 
 
 def _transformer_cfg(quick: bool):
-    import dataclasses
-    import types
-
     from rayzero.config import ModelConfig
 
-    base = dataclasses.asdict(ModelConfig(kind="transformer", support_size=300 if not quick else 20))
     if quick:
-        return types.SimpleNamespace(**base, transformer_dim=32, transformer_heads=4, transformer_layers=2,
-                                     transformer_latent_tokens=4)
-    return types.SimpleNamespace(**base, transformer_dim=256, transformer_heads=8, transformer_layers=6,
-                                 transformer_latent_tokens=8)
+        return ModelConfig(kind="transformer", support_size=20, transformer_dim=32, transformer_heads=4,
+                           transformer_layers=2, transformer_latent_tokens=4)
+    return ModelConfig(kind="transformer", support_size=300)
 
 
 def _randomize(model, seed: int = 0) -> None:

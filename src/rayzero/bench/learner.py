@@ -34,6 +34,7 @@ import numpy as np
 import ray
 
 from rayzero.bench.common import write_json
+from rayzero.cluster.plan import learner_ranks
 from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
 from rayzero.learner.group import PER_RANK, LearnerGroup
 from rayzero.learner.learner import Learner
@@ -113,8 +114,9 @@ def _start(sizes: Sizes, world: int, v: Variant, gpu: bool, gpu_share: float = 1
     args = (sizes.model, _learner_cfg(v.batch, gpu, v), sizes.obs_shape, sizes.num_actions, 0, 1)
     if world == 1:
         return ray.remote(Learner).options(num_cpus=0, num_gpus=gpu_share if gpu else 0).remote(*args)
-    return ray.remote(LearnerGroup).options(num_cpus=0).remote(
-        *args, num_learners=world, gpus_per_rank=gpu_share if gpu else 0.0, cpus_per_rank=0.0
+    ranks = learner_ranks(world, cpus=0.0, gpus=gpu_share if gpu else 0.0)
+    return ray.remote(LearnerGroup).options(**ranks.facade_options).remote(
+        *args, bundles=ranks.bundles, rank_options=ranks.rank_options
     )
 
 
@@ -348,7 +350,7 @@ def reanalyse_rates(sizes: Sizes, gpu: bool, batches: tuple[int, ...] = (256, 10
     batched MuZero search of `sims` simulations), on this process's GPU or CPU, net of `sizes`."""
     import torch
 
-    from rayzero.learner.reanalyse import ReanalyseWorker
+    from rayzero.actors.reanalyse import ReanalyseWorker
     from rayzero.tree import SearchConfig
 
     device = "cuda" if gpu else "cpu"

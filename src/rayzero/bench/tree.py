@@ -15,11 +15,7 @@ Run: `python -m rayzero.bench.tree [--quick] [--json PATH]` (or `rayzero bench t
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +25,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # keep JAX from
 
 import torch
 
+from rayzero.bench.common import write_json
 from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, search, tree_nbytes
 
 A = 18
@@ -269,30 +266,6 @@ def bench_mctx(
 # -------------------------------------------------------------------------------------------- main
 
 
-def _versions() -> dict[str, Any]:
-    v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("triton", "jax", "mctx"):
-        try:
-            mod = __import__(name)
-            v[name] = getattr(mod, "__version__", "unknown")
-        except Exception:  # noqa: BLE001
-            v[name] = None
-    return v
-
-
-def _machine(device: torch.device) -> dict[str, Any]:
-    m: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-    }
-    return m
-
-
 def _plan(quick: bool, cuda: bool) -> tuple[list[tuple], list[tuple]]:
     """(ours, mctx) row keys: (net, policy, B, n, mode) and (net, policy, B, n)."""
     nets, policies = ("none", "mlp256"), ("muzero", "gumbel")
@@ -344,22 +317,12 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
     else:
         errors.append("mctx/jax not importable: no mctx rows")
     ratios = _ratios(rows)
-    report = {
-        "benchmark": "tree",
-        "quick": quick,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "machine": _machine(device),
-        "versions": _versions(),
-        "rows": rows,
-        "ratios": ratios,
-        "errors": errors,
-    }
     _print_table(rows, ratios, errors)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {json_path}")
-    return report
+    return write_json(json_path, "tree", {
+        "quick": quick, "device": str(device), "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "rows": rows, "ratios": ratios, "errors": errors,
+    })
 
 
 def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,10 +1,11 @@
 """Ray start-up and the only place that knows resources: every `ray.remote(...)` of rayzero is applied here.
 
-`plan(config, available)` turns the config (and what the cluster offers) into per-role actor options;
-`build(config, spec)` starts the roles with those options; `connect(cluster_cfg)` joins or starts Ray.
+`plan(config, available)` (plan.py) turns the config and what the cluster offers into per-role resources and
+devices; `build(config, spec)` (build.py) starts the roles with them; `connect(cluster_cfg)` joins or starts Ray.
 """
 
-from rayzero.cluster.build import (Handles, Plan, ReplayShards, build, build_learner_group, connect, make_selfplay,
-                                   plan)
+from rayzero.cluster.build import Handles, ReplayShards, build, build_learner_group, connect, make_selfplay
+from rayzero.cluster.plan import LearnerRanks, Plan, Role, learner_ranks, plan
 
-__all__ = ["Handles", "Plan", "ReplayShards", "build", "build_learner_group", "connect", "make_selfplay", "plan"]
+__all__ = ["Handles", "LearnerRanks", "Plan", "ReplayShards", "Role", "build", "build_learner_group", "connect",
+           "learner_ranks", "make_selfplay", "plan"]

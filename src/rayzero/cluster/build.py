@@ -1,4 +1,4 @@
-"""Resource planning and actor construction (see the package docstring)."""
+"""Actor construction: every role started with the options of the plan (plan.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayzero.actors.evaluate import EvalWorker
+from rayzero.actors.network import RemoteNetwork
+from rayzero.actors.reanalyse import ReanalyseWorker
 from rayzero.actors.selfplay import SelfPlayWorker
+from rayzero.cluster.plan import Plan, plan
 from rayzero.config import ClusterConfig, Config, ConfigError
 from rayzero.envs import EnvSpec
 from rayzero.inference.server import InferenceServer
 from rayzero.learner.group import LearnerGroup
 from rayzero.learner.learner import Learner
-from rayzero.learner.reanalyse import ReanalyseWorker
 from rayzero.replay.buffer import ReplayBuffer
 
 
@@ -37,71 +39,6 @@ def connect(cfg: ClusterConfig) -> str:
     # would attach to that one); joining a cluster is what RAY_ADDRESS / cluster.address are for.
     ray.init(address="local", num_cpus=cfg.num_cpus or None, include_dashboard=False, log_to_driver=True)
     return "local"
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Actor options per role, as passed to `.options(...)`."""
-
-    replay: dict[str, Any]
-    learner: dict[str, Any]
-    selfplay: dict[str, Any]
-    evaluator: dict[str, Any]
-    inference: dict[str, Any] | None
-    learner_device: str
-    inference_device: str
-    reanalyse: dict[str, Any] | None = None  # None: reanalyse is off
-    num_selfplay_actors: int = 1
-
-
-SHARED_GPU_LEARNER = 0.5
-"""The learner's share of a host's only GPU; the inference actor takes the rest."""
-
-
-def plan(config: Config, available: dict[str, float]) -> Plan:
-    """Computes every CPU/GPU request from the config and what the cluster has (`ray.cluster_resources()`)."""
-    c = config.cluster
-    gpus = available.get("GPU", 0.0)
-    learner_gpus = c.learner_gpus
-    if config.learner.device == "cuda" and learner_gpus == 0:
-        learner_gpus = 1.0
-    if config.learner.device == "auto" and learner_gpus == 0 and gpus >= 1:
-        learner_gpus = 1.0
-    all_learner_gpus = learner_gpus * c.num_learners
-    if all_learner_gpus > gpus:
-        raise ConfigError(f"cluster.learner_gpus={learner_gpus} x cluster.num_learners={c.num_learners} needs "
-                         f"{all_learner_gpus} GPUs but the cluster has {gpus}")
-    mode = config.inference.mode
-    # One GPU and nothing pinned: the learner and the inference actor share it (the learner alone on it left
-    # self-play searching with a CPU copy of the network, at a few dozen env steps per second).
-    share = (gpus >= 1 and c.num_learners == 1 and c.learner_gpus == 0 and c.inference_gpus == 0
-             and config.learner.device in ("auto", "cuda") and mode in ("auto", "central")
-             and config.inference.device in ("auto", "cuda") and gpus < 2)
-    if share:
-        learner_gpus, all_learner_gpus, mode = SHARED_GPU_LEARNER, SHARED_GPU_LEARNER, "central"
-    if mode == "auto":
-        mode = "central" if gpus >= all_learner_gpus + 1 else "local"
-    inference_gpus = c.inference_gpus or (1.0 if mode == "central" and gpus >= all_learner_gpus + 1 else 0.0)
-    if share:
-        inference_gpus = 1.0 - SHARED_GPU_LEARNER
-    cpus = int(available.get("CPU", 1))
-    selfplay_actors = c.num_selfplay_actors
-    if selfplay_actors == 0:  # auto: the cores that the learner, the inference actor and the driver leave
-        reserved = c.learner_cpus * c.num_learners + (1 if mode == "central" else 0) + (2 if cpus > 4 else 0)
-        selfplay_actors = max(1, int((cpus - reserved) // max(c.selfplay_cpus, 1.0)))
-    return Plan(
-        num_selfplay_actors=selfplay_actors,
-        replay={"num_cpus": c.replay_cpus, "max_restarts": 0},
-        learner={"num_cpus": c.learner_cpus, "num_gpus": learner_gpus},
-        # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them.
-        selfplay={"num_cpus": c.selfplay_cpus, "max_restarts": 0},
-        evaluator={"num_cpus": c.eval_cpus, "max_restarts": -1},
-        inference=({"num_gpus": inference_gpus, "num_cpus": 1, "max_concurrency": 1000} if mode == "central" else None),
-        learner_device="cuda" if learner_gpus > 0 else "cpu",
-        inference_device="cuda" if inference_gpus > 0 else "cpu",
-        reanalyse=({"num_cpus": c.reanalyse_cpus, "num_gpus": c.reanalyse_gpus, "max_restarts": -1}
-                   if config.reanalyse.fraction > 0 else None),
-    )
 
 
 class ReplayShards:
@@ -147,33 +84,12 @@ class ReplayShards:
         return all(part["sampleable"] > 0 for part in ray.get([a.stats.remote() for a in self.actors]))
 
 
-def check_frame_stack(config: Config, spec: EnvSpec) -> None:
-    """replay.frame_stack > 1 stores single frames: only right for image observations of that many frames."""
-    k = config.replay.frame_stack
-    if k > 1 and (len(spec.observation_shape) != 3 or k != config.env.frame_stack):
-        raise ConfigError(f"replay.frame_stack={k} needs image observations stacking {k} frames; {config.env.id} "
-                          f"gives observations of shape {spec.observation_shape} with env.frame_stack="
-                          f"{config.env.frame_stack}: set replay.frame_stack to 0 or to env.frame_stack")
-
-
-def num_replay_shards(config: Config) -> int:
-    return config.replay.shards or config.cluster.num_learners
-
-
-def shard_config(config: Config) -> Any:
-    """Each shard's ReplayConfig: capacity and min_size divided among the shards."""
-    n, ranks = num_replay_shards(config), config.cluster.num_learners
+def shard_config(config: Config, shards: int) -> Any:
+    """Each shard's ReplayConfig: capacity and min_size divided among the shards (Config checks they fit)."""
     r = config.replay
-    if ranks % n:
-        raise ConfigError(f"replay.shards={n} must divide cluster.num_learners={ranks} (rank r samples shard r % "
-                          f"shards, so every shard is trained on); valid: 0 (one per rank) or a divisor of {ranks}")
-    if n == 1:
+    if shards == 1:
         return r
-    if r.capacity // n < r.segment_length + r.unroll_steps + r.td_steps:
-        raise ConfigError(f"replay.capacity={r.capacity} split over {n} shards leaves {r.capacity // n} transitions "
-                          f"per shard, less than one segment ({r.segment_length + r.unroll_steps + r.td_steps}); "
-                          f"raise replay.capacity or lower replay.shards")
-    return dataclasses.replace(r, capacity=r.capacity // n, min_size=-(-r.min_size // n))
+    return dataclasses.replace(r, capacity=r.capacity // shards, min_size=-(-r.min_size // shards))
 
 
 @dataclasses.dataclass
@@ -181,98 +97,87 @@ class Handles:
     replay: ReplayShards
     learner: Any
     selfplay: list[Any]
-    evaluator: Any
+    evaluation: Any
     inference: Any | None
     plan: Plan
     reanalyse: list[Any] = dataclasses.field(default_factory=list)
 
 
-def build(config: Config, spec: EnvSpec) -> Handles:
-    """Starts replay, learner, evaluator, the inference actor (central mode) and the self-play actors."""
-    p = plan(config, ray.cluster_resources())
+def build(config: Config, spec: EnvSpec, p: Plan | None = None) -> Handles:
+    """Starts replay, learner, evaluation, the inference actor (central mode) and the self-play actors."""
+    p = p or plan(config, ray.cluster_resources())
     c, seed = config.cluster, config.run.seed
-    check_frame_stack(config, spec)
     # Replay lives on the driver's node: removing any other node loses no replay data, and its snapshots
     # land in the driver's run directory.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    shard_cfg = shard_config(config)
+    shard_cfg = shard_config(config, p.replay.count)
     replay = ReplayShards([
-        ray.remote(ReplayBuffer).options(**p.replay, scheduling_strategy=here).remote(shard_cfg, seed * 1000 + i)
-        for i in range(num_replay_shards(config))
+        ray.remote(ReplayBuffer).options(**p.replay.actor_options(), scheduling_strategy=here).remote(
+            shard_cfg, seed * 1000 + i)
+        for i in range(p.replay.count)
     ])
     learner = build_learner_group(config, spec, p)
     inference = None
     if p.inference is not None:
-        inference_cfg = dataclasses.replace(config.inference, device=p.inference_device)
-        inference = ray.remote(InferenceServer).options(**p.inference).remote(
+        inference_cfg = dataclasses.replace(config.inference, device=p.inference.device)
+        inference = ray.remote(InferenceServer).options(**p.inference.actor_options()).remote(
             config.model, inference_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads,
             obs_dtype=spec.observation_dtype, search_cfg=config.search, discount=config.replay.discount,
         )
     # On a GPU, evaluation searches through the inference actor, as self-play does.
-    evaluator = ray.remote(EvalWorker).options(**p.evaluator).remote(
+    evaluation = ray.remote(EvalWorker).options(**p.evaluation.actor_options()).remote(
         config.env, config.model, config.search, config.replay.discount, c.torch_threads,
-        server=inference if p.inference_device == "cuda" else None,
+        server=inference if p.whole_search else None,
     )
-    # Elastic self-play: actors beyond what fits now stay pending; pending actors are the resource demand
-    # that an autoscaler acts on, and they start as soon as a node with room joins.
-    target = max(p.num_selfplay_actors, c.max_selfplay_actors)
-    if c.request_resources:
+    if p.autoscaler_bundles:
         from ray.autoscaler.sdk import request_resources
 
-        request_resources(bundles=[{"CPU": c.selfplay_cpus}] * target)
-    selfplay = [make_selfplay(config, p, replay, inference, i) for i in range(target)]
+        request_resources(bundles=list(p.autoscaler_bundles))
+    selfplay = [make_selfplay(config, p, replay, inference, i) for i in range(p.selfplay.count)]
     reanalyse = []
     if p.reanalyse is not None:
-        device = "cuda" if p.reanalyse["num_gpus"] > 0 else "cpu"
         reanalyse = [
-            ray.remote(ReanalyseWorker).options(**p.reanalyse).remote(
+            ray.remote(ReanalyseWorker).options(**p.reanalyse.actor_options()).remote(
                 config.model, config.search, config.replay.discount, spec.observation_shape, spec.num_actions,
-                seed * 1000 + 500 + i, c.torch_threads, device)
-            for i in range(c.num_reanalyse_workers)
+                seed * 1000 + 500 + i, c.torch_threads, p.reanalyse.device)
+            for i in range(p.reanalyse.count)
         ]
-    return Handles(replay, learner, selfplay, evaluator, inference, p, reanalyse)
+    return Handles(replay, learner, selfplay, evaluation, inference, p, reanalyse)
 
 
 def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root: str | None = None) -> Any:
     """The learner role: a `Learner` actor when cluster.num_learners == 1, else a `LearnerGroup` actor of
-    that many DDP ranks (each with the plan's learner CPUs and GPUs, in one STRICT_PACK placement group).
+    that many DDP ranks (in one STRICT_PACK placement group: the plan's bundles).
     Both answer train/weights/set_weights/counters/save/load with `.remote(...)`."""
-    learner_cfg = dataclasses.replace(config.learner, device=p.learner_device)
-    if learner_cfg.target_update_interval and not config.replay.bootstrap_obs:
-        raise ConfigError("learner.target_update_interval > 0 needs replay.bootstrap_obs=true")
-    if learner_cfg.consistency_weight > 0 and not config.replay.next_obs:
-        raise ConfigError("learner.consistency_weight > 0 needs replay.next_obs=true")
+    learner_cfg = dataclasses.replace(config.learner, device=p.learner.device)
     c, seed = config.cluster, config.run.seed
     args = (config.model, learner_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads)
-    if c.num_learners == 1:
-        return ray.remote(Learner).options(**p.learner).remote(*args)
-    return ray.remote(LearnerGroup).options(num_cpus=0, max_restarts=0).remote(
-        *args, num_learners=c.num_learners, gpus_per_rank=p.learner.get("num_gpus", 0.0),
-        cpus_per_rank=p.learner.get("num_cpus", 1.0), checkpoint_root=checkpoint_root,
+    if p.learner_group is None:
+        return ray.remote(Learner).options(**p.learner.actor_options()).remote(*args)
+    group = p.learner_group
+    return ray.remote(LearnerGroup).options(**group.facade_options).remote(
+        *args, bundles=group.bundles, rank_options=group.rank_options, checkpoint_root=checkpoint_root,
     )
 
 
 def make_selfplay(config: Config, p: Plan, replay: ReplayShards, inference: Any, index: int) -> Any:
-    return ray.remote(_RemoteSelfPlay).options(**p.selfplay).remote(
+    return ray.remote(_RemoteSelfPlay).options(**p.selfplay.actor_options()).remote(
         config.env, config.model, config.search, config.replay, config.run.seed * 1000 + index + 1,
         config.cluster.torch_threads, replay.actors, inference, f"selfplay-{index}", index,
-        # On a GPU the inference actor runs whole searches as CUDA-graph replays: one call per env step.
-        whole_search=p.inference_device == "cuda",
+        whole_search=p.whole_search,
     )
 
 
 class _RemoteSelfPlay(SelfPlayWorker):
-    """A self-play worker whose segments go to the replay actor and whose evaluator may be the inference actor."""
+    """A self-play worker whose segments go to the replay actor and whose network may be the inference actor."""
 
     def __init__(self, env_cfg, model_cfg, search_cfg, replay_cfg, seed, torch_threads, shards, inference, name,
                  index=0, whole_search=False):
-        from rayzero.actors.evaluator import RemoteEvaluator
-
-        evaluator = None
+        network = None
         if inference is not None:
             # The pid makes a restarted actor a new client, so its predecessor's slots get reclaimed.
-            evaluator = RemoteEvaluator(inference, replay_cfg.discount, f"{name}-{os.getpid()}",
-                                        whole_search=whole_search)
+            network = RemoteNetwork(inference, replay_cfg.discount, f"{name}-{os.getpid()}",
+                                    whole_search=whole_search)
         self._shards, self._next_shard = list(shards), index
 
         def sink(segment: Any) -> Any:  # round-robin over the replay shards
@@ -281,4 +186,4 @@ class _RemoteSelfPlay(SelfPlayWorker):
             return shard.add.remote(segment)
 
         super().__init__(env_cfg, model_cfg, search_cfg, replay_cfg, seed=seed, sink=sink,
-                         evaluator=evaluator, torch_threads=torch_threads)
+                         evaluator=network, torch_threads=torch_threads)

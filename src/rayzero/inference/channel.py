@@ -3,7 +3,7 @@
 A Ray actor call costs the actor a task: a gRPC message, deserialisation, a coroutine, a serialised answer (into
 the object store when it is over 100 KB). At thousands of requests per second that host work, not the GPU, bounds
 the actor (docs/benchmarks.md). A client on the actor's node can instead open a channel: a few arrays in /dev/shm
-that both processes map (replay/shared.py makes them; the memory goes back when both are gone, however they end).
+that both processes map (shm.py makes them; the memory goes back when both are gone, however they end).
 
 Layout of one channel (R = max_rows, O = obs_rows, A = actions):
   header int64 [8]: request sequence, answered sequence, kind, rows, store flag, status, version, closed flag
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from rayzero.inference.errors import InferenceError
-from rayzero.replay import shared
+from rayzero import shm
 
 HEADER = 8
 REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED = range(HEADER)
@@ -362,8 +362,8 @@ def create(client: str, max_rows: int, obs_rows: int, obs_shape: tuple[int, ...]
            ) -> tuple[ServerChannel, dict[str, str]] | None:
     """A new channel in /dev/shm (None if there is no room); the paths the client maps it by."""
     owner = _Owner()
-    made = shared.create(owner, specs(max_rows, obs_rows, obs_shape, obs_dtype, num_actions),
-                         what="inference channels")
+    made = shm.create(owner, specs(max_rows, obs_rows, obs_shape, obs_dtype, num_actions),
+                      what="inference channels")
     if made is None:
         return None
     arrays, paths = made
@@ -371,4 +371,4 @@ def create(client: str, max_rows: int, obs_rows: int, obs_shape: tuple[int, ...]
 
 
 class _Owner:
-    """Holds a channel's shared-memory descriptors open (see replay/shared.create)."""
+    """Holds a channel's shared-memory descriptors open (see shm.create)."""

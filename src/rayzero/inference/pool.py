@@ -113,7 +113,3 @@ class LatentPool:
         with self._lock:
             return self._release(client)
 
-    def expire(self) -> None:
-        """Reclaim clients idle longer than timeout_s now (also done on every allocation)."""
-        with self._lock:
-            self._expire(self.clock(), keep="")

@@ -42,12 +42,12 @@ import numpy as np
 import torch
 
 from rayzero.config import InferenceConfig, ModelConfig
+from rayzero.devices import resolve_device
 from rayzero.inference import channel as channels
 from rayzero.inference.cache import EvalCache, row_key
 from rayzero.inference.errors import InferenceError
 from rayzero.inference.pool import LatentPool
 from rayzero.inference.runner import Flight, Runner, is_cuda
-from rayzero.learner.learner import resolve_device
 from rayzero.models import build_model
 from rayzero.tree import SearchConfig
 
@@ -97,8 +97,6 @@ class InferenceServer:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.obs_shape = tuple(obs_shape)
         self.num_actions = num_actions
         default = np.uint8 if len(self.obs_shape) == 3 else np.float32

@@ -1,7 +1,6 @@
 """The learner role: the MuZero loss, updates, versioned weights and checkpoints."""
 
 from rayzero.learner.checkpoint import CheckpointError
-from rayzero.learner.learner import Learner, load_model_weights, resolve_device
-from rayzero.learner.loss import muzero_loss
+from rayzero.learner.learner import Learner, load_model_weights
 
-__all__ = ["CheckpointError", "Learner", "load_model_weights", "muzero_loss", "resolve_device"]
+__all__ = ["CheckpointError", "Learner", "load_model_weights"]

@@ -1,30 +1,22 @@
-"""A learner group: N DDP ranks in Ray actors, one GPU each, behind one actor with the `Learner` remote API.
+"""A learner group: N DDP ranks in Ray actors behind one actor with the `Learner` remote API.
 
-`LearnerGroup` (made a Ray actor by `cluster.build_learner_group`) reserves a STRICT_PACK placement group of
-N bundles (one GPU and `learner_cpus` CPUs each, or CPUs alone), starts a `LearnerRank` in each, and joins
-them in one torch.distributed process group: NCCL on GPUs, gloo on the CPU. All ranks see the GPUs of the
-whole group (CUDA_VISIBLE_DEVICES is widened to the group's GPUs before CUDA starts), so NCCL can use
-NVLink peer-to-peer between them; each rank uses its own.
-
-Every rank samples its own batch (learner.batch_size per rank) from its replay shard (rank r: shard r % n
-when `train` gets a list of shards) and updates those samples' priorities there; DDP averages the gradients, so the ranks stay identical. Rank 0 answers `weights`,
-`counters` and `save`; `load` and `set_weights` go to all ranks.
-
-If a rank dies (a `RayActorError` from any call), the group kills its ranks, releases the placement group,
-starts a new one and loads the newest checkpoint it knows about: `ckpt.latest(checkpoint_root)`, where
-checkpoint_root is given or inferred from the directories passed to `save`/`load` (a directory inside
-RUN_DIR/checkpoints/ names RUN_DIR), else the last such directory itself; with none, it starts fresh.
-The call that failed is then made once more.
+`LearnerGroup` reserves a STRICT_PACK placement group of the bundles that the resource plan gives it
+(cluster/plan.py), starts a `LearnerRank` in each and joins them in one torch.distributed group (NCCL on GPUs,
+with every rank seeing the group's GPUs so NCCL can go peer-to-peer; gloo on the CPU). Rank r samples its own
+batch from replay shard r % shards and sends the priorities back there; the gradients are averaged, so the
+ranks stay identical. Rank 0 answers `weights`, `counters` and `save`; `load` and `set_weights` go to all.
+If a rank dies, the group restarts all ranks from the newest checkpoint it knows (`_checkpoint_path`) and
+makes the failed call once more.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -33,14 +25,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayzero.learner import checkpoint as ckpt
+from rayzero.logs import logger
 
 
 # Timings of a train call that differ between ranks (the group's result is rank 0's, plus these as lists).
 PER_RANK = ("input_wait_s", "gc_ms", "manual_gc_ms", "launch_s", "call_s")
 
 
-def log(message: str) -> None:
-    print(f"rayzero: learner group: {message}", file=sys.stderr, flush=True)
+log = logger(__name__)
 
 
 class LearnerRank:
@@ -108,21 +100,23 @@ class LearnerGroup:
     train_on, bench_steps) over N ranks, restarting the whole group from a checkpoint when a rank dies.
 
     learner_args: (model_cfg, learner_cfg, obs_shape, num_actions, seed, torch_threads) as for `Learner`;
-    learner_cfg.device is set per rank ('cuda' when gpus_per_rank > 0, else 'cpu').
+    learner_cfg.device is set per rank ('cuda' when the rank options hold GPUs, else 'cpu'). `bundles` (one
+    per rank) and `rank_options` come from the resource plan (`cluster.learner_ranks`).
     """
 
     def __init__(self, model_cfg: Any, cfg: Any, obs_shape: tuple[int, ...], num_actions: int, seed: int = 0,
-                 torch_threads: int = 1, num_learners: int = 2, gpus_per_rank: float = 0.0,
-                 cpus_per_rank: float = 1.0, checkpoint_root: str | None = None, setup_timeout_s: float = 600.0,
+                 torch_threads: int = 1, *, bundles: Sequence[dict[str, float]], rank_options: dict[str, Any],
+                 checkpoint_root: str | None = None, setup_timeout_s: float = 600.0,
                  collective_timeout_s: float = 600.0):
         import dataclasses
 
-        device = "cuda" if gpus_per_rank > 0 else "cpu"
+        device = "cuda" if rank_options.get("num_gpus", 0) > 0 else "cpu"
         self.learner_args = (model_cfg, dataclasses.replace(cfg, device=device), tuple(obs_shape), num_actions,
                              seed, torch_threads)
-        self.num_learners = num_learners
-        self.gpus_per_rank = gpus_per_rank
-        self.cpus_per_rank = cpus_per_rank
+        self.bundles = [dict(b) for b in bundles]
+        self.rank_options = dict(rank_options)
+        self.num_learners = len(self.bundles)
+        self.use_gpus = device == "cuda"
         self.checkpoint_root = checkpoint_root
         self.setup_timeout_s = setup_timeout_s
         self.collective_timeout_s = collective_timeout_s
@@ -136,21 +130,18 @@ class LearnerGroup:
 
     def _start(self) -> None:
         n = self.num_learners
-        bundle: dict[str, float] = {"CPU": max(self.cpus_per_rank, 0.01)}
-        if self.gpus_per_rank > 0:
-            bundle["GPU"] = self.gpus_per_rank
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK")
+        self.pg = placement_group(self.bundles, strategy="STRICT_PACK")
         try:
             ray.get(self.pg.ready(), timeout=self.setup_timeout_s)
         except GetTimeoutError:
             remove_placement_group(self.pg)
-            raise RuntimeError(f"learner group: no node can hold {n} bundles of {bundle} together "
+            raise RuntimeError(f"learner group: no node can hold {n} bundles of {self.bundles[0]} together "
                                f"(STRICT_PACK) within {self.setup_timeout_s:.0f}s; cluster has "
                                f"{ray.cluster_resources()}") from None
         rank_cls = ray.remote(LearnerRank)
         self.ranks = [
             rank_cls.options(
-                num_cpus=self.cpus_per_rank, num_gpus=self.gpus_per_rank, max_restarts=0,
+                **self.rank_options,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             ).remote()
             for i in range(n)
@@ -159,11 +150,11 @@ class LearnerGroup:
         port = ray.get(self.ranks[0].free_port.remote())
         init_method = f"tcp://{infos[0]['ip']}:{port}"
         visible = None
-        if self.gpus_per_rank > 0:
+        if self.use_gpus:
             visible = sorted({g for info in infos for g in info["gpus"]}, key=lambda g: (len(g), g))
         devices = ray.get([r.setup.remote(i, n, init_method, visible, self.learner_args, self.collective_timeout_s)
                            for i, r in enumerate(self.ranks)], timeout=self.setup_timeout_s)
-        log(f"{n} ranks up on {devices} ({'nccl' if visible else 'gloo'})")
+        log.info(f"{n} ranks up on {devices} ({'nccl' if visible else 'gloo'})")
 
     def _stop(self) -> None:
         for rank in self.ranks:
@@ -180,6 +171,9 @@ class LearnerGroup:
             self.pg = None
 
     def _checkpoint_path(self) -> str | None:
+        """The newest checkpoint under checkpoint_root, given or inferred from the directories passed to
+        `save`/`load` (a directory inside RUN_DIR/checkpoints/ names RUN_DIR), else the last such directory
+        itself; None: start fresh."""
         roots = [self.checkpoint_root] if self.checkpoint_root else []
         if self.last_checkpoint:
             parent = Path(self.last_checkpoint).parent
@@ -203,7 +197,7 @@ class LearnerGroup:
         if path is not None:
             ray.get([r.load.remote(path) for r in self.ranks])
         self.restarts += 1
-        log(f"restarted ({self.restarts}) in {time.perf_counter() - started:.1f}s from "
+        log.info(f"restarted ({self.restarts}) in {time.perf_counter() - started:.1f}s from "
             f"{path or 'fresh weights (no checkpoint known)'}")
         return path
 
@@ -241,7 +235,7 @@ class LearnerGroup:
         try:
             return call()
         except RayActorError as error:
-            log(f"{who} died during {method} ({type(error).__name__}); restarting the group")
+            log.info(f"{who} died during {method} ({type(error).__name__}); restarting the group")
             self.restart()
         return call()
 

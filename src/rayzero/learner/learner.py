@@ -3,10 +3,9 @@
 `Learner` is a plain class (tests use it in-process); `cluster/` makes it a Ray actor, or `LearnerGroup`
 (learner/group.py) runs several as DDP ranks. One update (`_update`) is: optional target-network bootstraps,
 the loss module's forward under bf16 autocast, backward, global-norm clipping, AdamW (fused on CUDA).
-On CUDA the loss module is torch.compile'd, by default with CUDA graphs ('reduce-overhead'): the compiled
-step otherwise spends ~20 ms per step launching kernels from Python, which bounded it at 32 ms per step at
-batch 1024 on an H200 (11.6 ms with CUDA graphs). If compiling or the first steps fail, the learner falls
-back to the plain compile mode, then to eager, and logs why. Nothing in the update waits for the device:
+On CUDA the loss module is torch.compile'd, by default with CUDA graphs ('reduce-overhead'), since the
+compiled step is otherwise bound by Python launching its kernels (docs/benchmarks.md). If compiling or the
+first steps fail, the learner falls back to the plain compile mode, then to eager, and logs why. Nothing in the update waits for the device:
 metrics are summed on the device and read once per `train` call, priorities go back through
 `PriorityOutbox`, and batches arrive through `Prefetcher` (learner/prefetch.py), so sampling, gathering and
 the copy overlap the update.
@@ -19,7 +18,6 @@ import copy
 import gc
 import inspect
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,11 +31,13 @@ except ImportError:  # older safetensors
 from safetensors.torch import load_file, save_file
 
 from rayzero.config import LearnerConfig, ModelConfig
+from rayzero.devices import resolve_device
 from rayzero.learner.checkpoint import CheckpointError
 from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
+from rayzero.logs import logger
 from rayzero.models import build_model
-from rayzero.models.state import StateDict, snapshot
+from rayzero.models.state import StateDict, copy_into, snapshot
 from rayzero.replay.buffer import Batch
 
 METRIC_NAMES = ("loss", *STAT_NAMES, "grad_norm", "stale_samples")
@@ -76,16 +76,7 @@ gc.callbacks.append(_on_gc)
 FULL_GC_EVERY = 20  # train calls between full collections with learner.manual_gc
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available: use 'auto' or 'cpu'")
-    return torch.device(name)
-
-
-def log(message: str) -> None:
-    print(f"rayzero: learner: {message}", file=sys.stderr, flush=True)
+log = logger(__name__)
 
 
 class Learner:
@@ -107,8 +98,6 @@ class Learner:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.backends.cudnn.benchmark = True  # batch shapes are fixed: let cuDNN time its conv algorithms
         self.model = build_model(model_cfg, obs_shape, num_actions).to(self.device)
         self.model.train()
@@ -138,24 +127,7 @@ class Learner:
         self.world_size, self.rank = 1, 0
         self._forward: torch.nn.Module = self._switch
         if distributed:
-            import torch.distributed as dist
-
-            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-            if cfg.grad_sync == "ddp":
-                # Buffers (BatchNorm statistics) are not broadcast before each forward: training normalises
-                # with batch statistics, so only rank 0's running statistics, which it publishes, matter.
-                DDP = torch.nn.parallel.DistributedDataParallel
-                no_sync = ({"forward_sync_buffers": False}  # torch >= 2.13 (broadcast_buffers is deprecated)
-                           if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-                           else {"broadcast_buffers": False})
-                self._forward = DDP(
-                    self._switch, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                    bucket_cap_mb=64, gradient_as_bucket_view=True, **no_sync,
-                )
-            else:  # 'flat': start from rank 0's parameters and buffers, as DDP does
-                with torch.no_grad():
-                    for tensor in self.loss_module.state_dict().values():
-                        dist.broadcast(tensor, 0)
+            self._join_ranks()
         cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
             self.loss_module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -174,6 +146,28 @@ class Learner:
         self._outbox: PriorityOutbox | None = None
         self._calls = 0
         self._published: tuple[int, int, StateDict] | None = None  # (version, steps, weights) of `weights`
+
+    def _join_ranks(self) -> None:
+        """As one rank of the initialised process group: wrap the loss in DDP, or (grad_sync 'flat') start from
+        rank 0's parameters and buffers, as DDP does."""
+        import torch.distributed as dist
+
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        if self.cfg.grad_sync == "ddp":
+            # Buffers (BatchNorm statistics) are not broadcast before each forward: training normalises
+            # with batch statistics, so only rank 0's running statistics, which it publishes, matter.
+            DDP = torch.nn.parallel.DistributedDataParallel
+            no_sync = ({"forward_sync_buffers": False}  # torch >= 2.13 (broadcast_buffers is deprecated)
+                       if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                       else {"broadcast_buffers": False})
+            self._forward = DDP(
+                self._switch, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=64, gradient_as_bucket_view=True, **no_sync,
+            )
+        else:
+            with torch.no_grad():
+                for tensor in self.loss_module.state_dict().values():
+                    dist.broadcast(tensor, 0)
 
     # -- one update ------------------------------------------------------------------------------------
 
@@ -237,7 +231,7 @@ class Learner:
                 loss, stats, priorities = self._loss_and_backward(tensors)
             except Exception as error:  # noqa: BLE001 - any compiler failure: the next mode, at last eager
                 self.optimizer.zero_grad(set_to_none=True)
-                log(f"torch.compile ({self.compile_state.split(':')[-1]}) failed ({type(error).__name__}: "
+                log.warning(f"torch.compile ({self.compile_state.split(':')[-1]}) failed ({type(error).__name__}: "
                     f"{str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}); "
                     f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}")
                 self._next_compile_mode()
@@ -290,9 +284,7 @@ class Learner:
     def sync_target(self) -> None:
         """Copy the network into the target network."""
         if self.target is not None:
-            with torch.no_grad():
-                for dst, src in zip(self.target.state_dict().values(), self.model.state_dict().values()):
-                    dst.copy_(src)
+            copy_into(self.target, self.model.state_dict())
 
     def _read_sums(self) -> dict[str, float]:
         """Means of the metrics since the last read: the one device sync of a `train` call."""
@@ -464,9 +456,7 @@ class Learner:
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         """Put published weights back (the driver rolls back to the version that met run.stop_return)."""
-        with torch.no_grad():
-            for name, tensor in self.model.state_dict().items():
-                tensor.copy_(state_dict[name])
+        copy_into(self.model, state_dict)
         self.version = version
         self._published = None
         return version

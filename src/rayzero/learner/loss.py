@@ -18,8 +18,6 @@ the target network: bootstraps are computed beforehand by `bootstrap_values` and
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -31,15 +29,6 @@ STAT_NAMES = ("policy_loss", "value_loss", "reward_loss", "consistency_loss",
               # Learning diagnostics, batch means: |v_0 - z_0| and |r_k - u_k| in reward units (decoded from the
               # supports), the entropy of the search policy at the root of the unroll, and KL(search || prior).
               "value_error", "reward_error", "target_entropy", "policy_kl")
-
-
-class LossOutput(NamedTuple):
-    loss: torch.Tensor  # scalar, weighted by importance weights
-    policy_loss: torch.Tensor
-    value_loss: torch.Tensor
-    reward_loss: torch.Tensor
-    priorities: torch.Tensor  # [B] |v_0 - z_0|
-    consistency_loss: torch.Tensor | None = None
 
 
 def scale_gradient(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -182,8 +171,3 @@ def bootstrap_values(target: MuZeroNet, obs: torch.Tensor, channels_last: bool =
     _, value_logits = target.predict(latent)
     return support_to_scalar(value_logits, target.support_size).view(obs.shape[0], obs.shape[1])
 
-
-def muzero_loss(model: MuZeroNet, batch: dict[str, torch.Tensor], value_loss_weight: float) -> LossOutput:
-    """The plain K-step loss of a batch of device tensors (see MuZeroLoss)."""
-    loss, stats, priorities = MuZeroLoss(model, value_loss_weight)(batch)
-    return LossOutput(loss, stats[0], stats[1], stats[2], priorities, stats[3])

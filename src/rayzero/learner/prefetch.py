@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from rayzero.replay.buffer import Batch, frame_slots, node_id
-from rayzero.replay import shared
+from rayzero import shm
 
 # Batch fields the loss reads; indices and generations stay on the host.
 DEVICE_FIELDS = ("obs", "actions", "target_values", "target_rewards", "target_policies", "value_mask",
@@ -54,8 +54,8 @@ class ObsStore:
     """The replay's shared observation and generation arrays, mapped read-only."""
 
     def __init__(self, info: dict, threads: int):
-        self.obs = shared.open_readonly(info["obs"])  # observations, or single frames (replay.frame_stack)
-        self.generation = shared.open_readonly(info["generation"])
+        self.obs = shm.open_readonly(info["obs"])  # observations, or single frames (replay.frame_stack)
+        self.generation = shm.open_readonly(info["generation"])
         self.stack = int(info.get("frame_stack") or 1)
         self.obs_shape = tuple(info.get("obs_shape") or self.obs.shape[1:])  # of one (stacked) observation
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="rayzero-gather") if threads > 1 else None

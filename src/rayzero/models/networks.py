@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rayzero.config import ModelConfig
+from rayzero.models.layers import ResidualBlock, mlp, scale_latent
 from rayzero.models.support import support_to_scalar
 
 
@@ -36,13 +37,6 @@ class NetworkOutput(NamedTuple):
     policy_logits: torch.Tensor  # [B, A]
     value_logits: torch.Tensor  # [B, 2S+1]
     reward_logits: torch.Tensor  # [B, 2S+1]
-
-
-def scale_latent(latent: torch.Tensor) -> torch.Tensor:
-    flat = latent.flatten(1)
-    low = flat.min(1, keepdim=True).values
-    high = flat.max(1, keepdim=True).values
-    return ((flat - low) / (high - low).clamp_min(1e-5)).view_as(latent)
 
 
 class MuZeroNet(nn.Module):
@@ -186,16 +180,6 @@ class MuZeroNet(nn.Module):
         )
 
 
-def _mlp(sizes: list[int], final_activation: bool = False) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2 or final_activation:
-            layers.append(nn.LayerNorm(sizes[i + 1]))
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
 class MLPNet(MuZeroNet):
     """For vector observations [B, D]."""
 
@@ -206,15 +190,15 @@ class MLPNet(MuZeroNet):
         self.support_size = cfg.support_size
         self.num_actions = num_actions
         self.latent_shape = (cfg.latent_dim,)
-        self.representation = _mlp([obs_dim, cfg.hidden, cfg.latent_dim])
-        self.dynamics_trunk = _mlp([cfg.latent_dim + num_actions, cfg.hidden, cfg.latent_dim])
-        self.value_head = _mlp([cfg.latent_dim, cfg.hidden, bins])
-        self.policy_head = _mlp([cfg.latent_dim, cfg.hidden, num_actions])
+        self.representation = mlp([obs_dim, cfg.hidden, cfg.latent_dim])
+        self.dynamics_trunk = mlp([cfg.latent_dim + num_actions, cfg.hidden, cfg.latent_dim])
+        self.value_head = mlp([cfg.latent_dim, cfg.hidden, bins])
+        self.policy_head = mlp([cfg.latent_dim, cfg.hidden, num_actions])
         heads = [self.value_head, self.policy_head]
         if cfg.value_prefix:
             self._init_value_prefix(cfg, cfg.latent_dim)
         else:
-            self.reward_head = _mlp([cfg.latent_dim, cfg.hidden, bins])
+            self.reward_head = mlp([cfg.latent_dim, cfg.hidden, bins])
             heads.append(self.reward_head)
         # Heads start at zero output so early values/rewards decode to 0 and priors are uniform.
         for head in heads:
@@ -237,19 +221,6 @@ class MLPNet(MuZeroNet):
 
     def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._head(self.policy_head, latent), self._head(self.value_head, latent)
-
-
-class ResidualBlock(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(x + self.bn2(self.conv2(out)))
 
 
 class ResNet(MuZeroNet):
@@ -285,14 +256,14 @@ class ResNet(MuZeroNet):
         self.reward_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
         self.pred_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
         self.value_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
-        self.value_fc = _mlp([flat, cfg.head_hidden, bins])
+        self.value_fc = mlp([flat, cfg.head_hidden, bins])
         self.policy_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
-        self.policy_fc = _mlp([flat, cfg.head_hidden, num_actions])
+        self.policy_fc = mlp([flat, cfg.head_hidden, num_actions])
         heads = [self.value_fc, self.policy_fc]
         if cfg.value_prefix:  # the LSTM reads the reward conv's features, as in EfficientZero
             self._init_value_prefix(cfg, flat)
         else:
-            self.reward_fc = _mlp([flat, cfg.head_hidden, bins])
+            self.reward_fc = mlp([flat, cfg.head_hidden, bins])
             heads.append(self.reward_fc)
         for head in heads:
             nn.init.zeros_(head[-1].weight)
@@ -327,20 +298,3 @@ class ResNet(MuZeroNet):
     def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.pred_blocks(latent)
         return self._head(self._policy_head, x), self._head(self._value_head, x)
-
-
-def build_model(cfg: ModelConfig, obs_shape: tuple[int, ...], num_actions: int) -> MuZeroNet:
-    kind = cfg.kind
-    if kind == "auto":
-        kind = "resnet" if len(obs_shape) == 3 else "mlp"
-    if kind == "mlp":
-        return MLPNet(obs_shape, num_actions, cfg)
-    if kind == "resnet":
-        if len(obs_shape) != 3:
-            raise ValueError(f"model.kind='resnet' needs image observations [C, H, W], got shape {obs_shape}")
-        return ResNet(obs_shape, num_actions, cfg)
-    if kind == "transformer":
-        from rayzero.models.transformer import TransformerNet
-
-        return TransformerNet(obs_shape, num_actions, cfg)
-    raise ValueError(f"model.kind={kind!r} is not available: use 'mlp', 'resnet' or 'transformer'")

@@ -1,10 +1,9 @@
-"""Published weights: a CPU state dict that crosses Ray as numpy buffers.
+"""Published weights: a CPU state dict that crosses Ray as numpy buffers, and the in-place copy that receives it.
 
 The learner publishes a new version after every train call and the driver hands it to inference, self-play,
-reanalyse and evaluation actors; each hop pickles the state dict. Torch pickles every tensor on its own (a
-storage written through `torch.save` into bytes, about 0.1 ms per tensor each way), so a 114-tensor Atari net
-took 27 ms per Ray round trip on the CPU, against 4 ms for the same arrays as numpy, which pickle protocol 5
-hands to Ray's object store as out-of-band buffers.
+reanalyse and evaluation actors; each hop pickles the state dict. Torch pickles every tensor on its own, numpy
+arrays go to Ray's object store as out-of-band buffers (pickle protocol 5), so `StateDict` pickles as numpy
+(docs/benchmarks.md has the round-trip times).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["StateDict", "snapshot"]
+__all__ = ["StateDict", "copy_into", "snapshot"]
 
 
 class StateDict(dict):
@@ -58,3 +57,11 @@ def snapshot(state: dict[str, torch.Tensor]) -> StateDict:
             for name, tensor, part in zip(names, tensors, flat.split([t.numel() for t in tensors])):
                 out[name] = part.view(tensor.shape).clone()
     return StateDict((name, out[name]) for name in state)
+
+
+def copy_into(module: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy `state_dict` into the parameters and buffers of `module` in place, so optimizers, CUDA graphs and
+    compiled code that hold them keep seeing the live weights."""
+    with torch.no_grad():
+        for name, tensor in module.state_dict().items():
+            tensor.copy_(state_dict[name])

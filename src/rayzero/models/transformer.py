@@ -15,9 +15,8 @@ prediction: policy and value heads on the mean of the latent tokens.
 Value, reward and policy heads are small MLPs that run in float32 when `heads_fp32` is set (see
 networks.MuZeroNet._head), so under bf16 autocast the attention and MLP trunk is bf16 and the heads are not.
 
-Sizes come from ModelConfig fields `transformer_dim` (256), `transformer_heads` (8), `transformer_layers` (6),
-`transformer_latent_tokens` (8), `transformer_patch` (0 = auto) and `transformer_max_tokens` (512) when the
-config has them, else those defaults; `head_hidden` and `support_size` are shared with the other nets.
+Sizes come from the `transformer_*` fields of ModelConfig; `head_hidden` and `support_size` are shared with the
+other nets.
 """
 
 from __future__ import annotations
@@ -26,14 +25,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rayzero.models.networks import MuZeroNet, _mlp
+from rayzero.config import ModelConfig
+from rayzero.models.layers import mlp
+from rayzero.models.networks import MuZeroNet
 
-DEFAULTS = {"dim": 256, "heads": 8, "layers": 6, "latent_tokens": 8, "patch": 0, "max_tokens": 512}
+SIZES = ("dim", "heads", "layers", "latent_tokens", "patch", "max_tokens")
 
 
-def transformer_sizes(cfg) -> dict[str, int]:
-    """The transformer's sizes from a ModelConfig (`transformer_<name>` fields), defaults where absent."""
-    return {name: int(getattr(cfg, f"transformer_{name}", default)) for name, default in DEFAULTS.items()}
+def transformer_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """The transformer's sizes: the `transformer_<name>` fields of a ModelConfig."""
+    return {name: int(getattr(cfg, f"transformer_{name}")) for name in SIZES}
 
 
 def auto_patch(height: int, width: int, max_tokens: int) -> int:
@@ -104,9 +105,9 @@ class TransformerNet(MuZeroNet):
         self.dyn_pos = nn.Parameter(torch.randn(1, Z + 1, D) * 0.02)
         self.dyn_blocks = nn.ModuleList(Block(D, heads) for _ in range(layers))
         self.dyn_norm = nn.LayerNorm(D)
-        self.reward_head = _mlp([D, cfg.head_hidden, bins])
-        self.value_head = _mlp([D, cfg.head_hidden, bins])
-        self.policy_head = _mlp([D, cfg.head_hidden, num_actions])
+        self.reward_head = mlp([D, cfg.head_hidden, bins])
+        self.value_head = mlp([D, cfg.head_hidden, bins])
+        self.policy_head = mlp([D, cfg.head_hidden, num_actions])
         for head in (self.reward_head, self.value_head, self.policy_head):
             nn.init.zeros_(head[-1].weight)
             nn.init.zeros_(head[-1].bias)

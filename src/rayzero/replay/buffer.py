@@ -15,7 +15,7 @@ followed by each step's newest frame, and the observation at a position is the k
 (`frames.stack_at`). Blocks are written and evicted whole, history slots included ("held").
 
 Sampling draws from a sum tree of priority**alpha (`replay/sumtree.py`), O(B log capacity) per batch. With
-`replay.shared_obs`, observations and write generations live in /dev/shm (`replay/shared.py`): a learner on
+`replay.shared_obs`, observations and write generations live in /dev/shm (`shm.py`): a learner on
 the same node asks `sample(B, with_obs=False)` and gathers the observations itself, and checks afterwards
 that the generations of its positions did not change (a write bumps them before it touches observations).
 """
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rayzero.config import ReplayConfig
-from rayzero.replay import shared
+from rayzero import shm
 from rayzero.replay.sumtree import SumTree
 
 
@@ -167,8 +167,8 @@ class ReplayBuffer:
         if not self.cfg.shared_obs or self.shared_paths is not None:
             return
         a = self._arrays
-        created = shared.create(self, {"obs": (a["obs"].shape, a["obs"].dtype),
-                                       "generation": (a["generation"].shape, a["generation"].dtype)})
+        created = shm.create(self, {"obs": (a["obs"].shape, a["obs"].dtype),
+                                    "generation": (a["generation"].shape, a["generation"].dtype)})
         if created is None:
             return
         arrays, self.shared_paths = created

@@ -45,6 +45,9 @@ class SearchConfig:
     """Simulations per tree per wave (K); K > 1 applies virtual loss so the K paths differ."""
     max_nodes: int = 0
     """Cap on nodes per tree (0 = num_simulations + 1); a search needing more raises a clear error."""
+    triton: bool = True
+    """CUDA: run the selection walk and the backup as fused Triton kernels (kernels.py) when triton imports and
+    virtual_loss=1; False = the torch path (the `use_triton` argument of `search()` wins when given)."""
 
     def __post_init__(self) -> None:
         checks = [

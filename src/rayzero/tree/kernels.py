@@ -18,21 +18,20 @@ qtransforms.py, search._backup) with fused multiply-add disabled and round-to-ne
 visit counts are bit-identical to the torch path's. (The Gumbel interior rule sums over actions and uses
 exp/log, whose last bits may differ from torch's; only a near-exact tie could then pick another action.)
 The kernels are launched with fixed grids and no host synchronisation, so they can be captured in a CUDA
-graph. Set RAYZERO_TREE_TRITON=0 to disable them.
+graph. `search.triton=false` turns them off.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from rayzero.tree.context import KernelPath, _Context
 from rayzero.tree.tree import DISCOUNT, EDGE_CHANNELS, PRIOR, REWARD, VALUE, VISITS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from rayzero.tree.search import _Context
     from rayzero.tree.tree import Tree
 
 try:  # pragma: no cover - exercised on CUDA hosts only
@@ -50,8 +49,8 @@ def triton_importable() -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether the fused kernels can run for tensors on `device` (CUDA, triton, not disabled by env)."""
-    return device.type == "cuda" and _TRITON and os.environ.get("RAYZERO_TREE_TRITON", "1") != "0"
+    """Whether the fused kernels can run for tensors on `device` (CUDA and an importable triton)."""
+    return device.type == "cuda" and _TRITON
 
 
 @functools.cache
@@ -291,23 +290,6 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
         if MINMAX:
             tl.store(vmin_ptr + b, lo)
             tl.store(vmax_ptr + b, hi)
-
-
-class KernelPath:
-    """The fused walk's outputs (buffers reused by every simulation of a search): nodes/actions [B, L],
-    depth [B], the leaf edge (parent, action) [B] and parent's index in the [B * N] node views."""
-
-    __slots__ = ("action", "actions", "depth", "flat_parent", "nodes", "parent")
-
-    def __init__(self, ctx: _Context) -> None:
-        B, L = ctx.B, ctx.num_simulations + 1
-        i64 = {"dtype": torch.int64, "device": ctx.device}
-        self.nodes = torch.zeros((B, L), **i64)
-        self.actions = torch.zeros((B, L), **i64)
-        self.depth = torch.zeros((B,), **i64)
-        self.parent = torch.zeros((B,), **i64)
-        self.action = torch.zeros((B,), **i64)
-        self.flat_parent = torch.zeros((B,), **i64)
 
 
 _CHANNELS = {

@@ -44,9 +44,9 @@ from rayzero.tree.action_selection import (
     gumbel_root_scores,
     mask_root,
     muzero_scores,
-    puct_coefficients,
 )
 from rayzero.tree.base import RecurrentFn, RecurrentOutput, RootOutput, SearchConfig, SearchOutput
+from rayzero.tree.context import _Context
 from rayzero.tree.noise import SearchNoise, dirichlet_from_log_gamma, sample_gumbel, sample_log_gamma
 from rayzero.tree.qtransforms import completed_qvalues, minmax_bounds
 from rayzero.tree.seq_halving import considered_visits_table
@@ -87,7 +87,7 @@ def search(
     invalid_actions: [B, A] bool, True = illegal at the root; None = all legal.
     generator: torch.Generator on the inputs' device, for every random draw; None = torch's default.
     noise: precomputed random inputs (noise.sample_noise); fields left None are drawn with `generator`.
-    use_triton: None = fused Triton kernels when on CUDA, Triton imports and K == 1; False = torch path;
+    use_triton: None = fused Triton kernels if config.triton, on CUDA, Triton imports and K == 1; False = torch;
         True = require the kernels (ValueError if they can't be used).
     """
     n = _check_num_simulations(num_simulations)
@@ -116,7 +116,7 @@ def search(
             f"use_triton=True needs CUDA tensors, an importable triton and virtual_loss=1 "
             f"(device={device}, triton={kernels.triton_importable()}, virtual_loss={K})"
         )
-    triton = triton_ok if use_triton is None else bool(use_triton)
+    triton = (triton_ok and config.triton) if use_triton is None else bool(use_triton)
 
     tree = allocate_tree(B, N, A, embedding, device=device, virtual_loss=K > 1)
     ctx = _Context(tree, config, invalid, n, K, device)
@@ -246,46 +246,6 @@ def _check_recurrent(out: Any, next_embedding: Any, rows: int, A: int, embedding
 
 
 # ------------------------------------------------------------------------------------------ the search
-
-
-class _Context:
-    """Per-search constants and flat views shared by the steps (no tensors are allocated per step here)."""
-
-    def __init__(
-        self,
-        tree: Tree,
-        config: SearchConfig,
-        invalid: torch.Tensor | None,
-        n: int,
-        K: int,
-        device: torch.device,
-    ) -> None:
-        B, N, A = tree.batch_size, tree.num_nodes, tree.num_actions
-        self.config = config
-        self.gumbel = config.policy == "gumbel"
-        self.invalid = invalid
-        self.num_simulations = n
-        self.K = K
-        self.device = device
-        self.on_cpu = device.type == "cpu"
-        self.B, self.N, self.A = B, N, A
-        self.rows = torch.arange(B, device=device) * N  # [B] offset of each tree's node 0 in [B * N] views
-        self.edges_flat = tree.edges.view(B * N, EDGE_CHANNELS, A)
-        self.edges_1d = tree.edges.view(-1)
-        self.children_flat = tree.children_index.view(-1)
-        self.visits_flat = tree.node_visits.view(-1)
-        self.sums_flat = tree.value_sums.view(-1)
-        self.raw_flat = tree.raw_values.view(-1)
-        self.vv_flat = tree.virtual_visits.view(B * N, A) if tree.virtual_visits is not None else None
-        self.steps = torch.arange(n + 1, device=device)  # [L] path positions
-        # Node visits never exceed 1 + n (+ K - 1 pending visits with virtual loss).
-        self.coef = puct_coefficients(n + K + 1, config.pb_c_init, config.pb_c_base, device)
-        self.root_log_prior: torch.Tensor | None = None  # [B, A] gumbel: log of masked root priors
-        self.root_gumbel: torch.Tensor | None = None  # [B, A] gumbel: scaled Gumbel noise
-        self.considered: torch.Tensor | None = None  # [B, n] gumbel: schedule row of each tree
-        self.low: torch.Tensor | None = None  # [B, 1] muzero: Q normalisation bounds of the current walk
-        self.spread: torch.Tensor | None = None
-        self.triton_path: kernels.KernelPath | None = None  # the fused walk's buffers
 
 
 def _init_root(

@@ -1,4 +1,4 @@
-"""Replay arrays in node-local shared memory (/dev/shm), so a learner on the replay's node reads them directly.
+"""Arrays in node-local shared memory (/dev/shm): the replay's observations and the inference channels.
 
 The replay actor creates each shared array as a `.npy` file in /dev/shm (self-describing: a learner opens it
 with the path alone), maps it, keeps a descriptor open and unlinks the name at once. Learners open it as

@@ -1,4 +1,4 @@
-"""Evaluators: the network as self-play and evaluation see it, local or behind the inference actor.
+"""The network as a search sees it: `LocalNetwork` (a model in this process) or `RemoteNetwork` (the inference actor).
 
 Both give the same two calls, batched over roots:
     root(obs [B, ...] numpy) -> RootOutput(prior_logits [B, A], value [B], embedding [B, ...])
@@ -17,10 +17,11 @@ import torch
 
 from rayzero.inference.channel import InferenceClient
 from rayzero.models.networks import MuZeroNet
-from rayzero.tree import RecurrentOutput, RootOutput
+from rayzero.models.state import copy_into
+from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchOutput, search
 
 
-class LocalEvaluator:
+class LocalNetwork:
     """Evaluates with a network held in this process (the default on a CPU-only machine)."""
 
     def __init__(self, model: MuZeroNet, discount: float):
@@ -29,9 +30,7 @@ class LocalEvaluator:
         self.device = next(model.parameters()).device
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, tensor in self.model.state_dict().items():
-                tensor.copy_(state_dict[name])
+        copy_into(self.model, state_dict)
 
     @torch.inference_mode()
     def root(self, obs: np.ndarray) -> RootOutput:
@@ -53,7 +52,7 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
-class RemoteEvaluator:
+class RemoteNetwork:
     """Evaluates through the central inference actor; latents stay there, referred to by slot handles."""
 
     def __init__(self, server: Any, discount: float, client_id: str, whole_search: bool = False,
@@ -127,3 +126,14 @@ class RemoteEvaluator:
         import ray
 
         ray.get(self.server.release.remote(self.client_id))
+
+
+def search_observations(network: Any, obs: np.ndarray, config: SearchConfig,
+                        generator: torch.Generator | None = None) -> SearchOutput:
+    """One batched search from observations [B, ...] with `network` (either kind): the roots, the search, and the
+    release of the latents it made. Under inference mode: no autograd bookkeeping on the many small ops."""
+    with torch.inference_mode():
+        root = network.root(obs)
+        out = search(root, network.recurrent_fn, config.num_simulations, config, generator=generator)
+    network.release()
+    return out

@@ -9,7 +9,7 @@ targets directly, the value targets through the n-step bootstrap (the stored sea
 with a target network, learner.target_update_interval > 0, the bootstrap comes from the learner instead and
 reanalyse refreshes the policy targets).
 
-The driver keeps `reanalyse.fraction` positions re-searched per sample trained on (see train.py).
+The driver keeps `reanalyse.fraction` positions re-searched per sample trained on (see schedule.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayzero.actors.evaluator import LocalEvaluator
+from rayzero.actors.network import LocalNetwork
 from rayzero.config import ModelConfig
+from rayzero.logs import logger
 from rayzero.models import build_model
 from rayzero.tree import SearchConfig, search
+
+log = logger(__name__)
 
 
 class ReanalyseWorker:
@@ -34,7 +37,7 @@ class ReanalyseWorker:
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.search_cfg = search_cfg
-        self.evaluator = LocalEvaluator(build_model(model_cfg, obs_shape, num_actions).to(self.device), discount)
+        self.network = LocalNetwork(build_model(model_cfg, obs_shape, num_actions).to(self.device), discount)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = -1
         # On CUDA, one whole search per batch size is captured as a CUDA graph (tree/capture.py) and replayed;
@@ -43,7 +46,7 @@ class ReanalyseWorker:
         self.capture_error: str | None = None
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
-        self.evaluator.set_weights(state_dict)
+        self.network.set_weights(state_dict)
         self.version = version
         return version
 
@@ -56,26 +59,25 @@ class ReanalyseWorker:
             from rayzero.tree.capture import CapturedSearch
 
             try:
-                self.captured[batch] = CapturedSearch(self.evaluator.recurrent_fn, root,
+                self.captured[batch] = CapturedSearch(self.network.recurrent_fn, root,
                                                       self.search_cfg.num_simulations, self.search_cfg,
                                                       generator=self.generator)
             except Exception as error:  # noqa: BLE001 - any capture failure: keep reanalysing, eagerly
                 self.capture_error = f"{type(error).__name__}: {error}"
-                print(f"rayzero: reanalyse search capture failed ({self.capture_error[:300]}); searching eagerly",
-                      flush=True)
+                log.warning("search capture failed (%s); searching eagerly", self.capture_error[:300])
                 return None
         return self.captured[batch]
 
     def targets(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(policies [B, A], root values [B]) of one batched search from observations [B, ...]."""
-        root = self.evaluator.root(obs)
+        root = self.network.root(obs)
         captured = self._captured(root)
         if captured is not None:
             out = captured(root, generator=self.generator)
         else:
-            out = search(root, self.evaluator.recurrent_fn, self.search_cfg.num_simulations, self.search_cfg,
+            out = search(root, self.network.recurrent_fn, self.search_cfg.num_simulations, self.search_cfg,
                          generator=self.generator)
-        self.evaluator.release()
+        self.network.release()
         return out.action_weights.float().cpu().numpy(), out.root_value.float().cpu().numpy()
 
     def reanalyse(self, replay: Any, weights: tuple[int, dict] | None, count: int) -> dict[str, Any]:

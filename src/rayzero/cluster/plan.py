@@ -1,0 +1,158 @@
+"""The resource plan: every role's count, CPUs, GPUs, device and envs, from the config and what Ray offers.
+
+The one place that decides resources: `build.py` passes `Role.actor_options()` to `.options(...)`, and the
+learner group gets its placement-group bundles and rank options from here. The driver prints `Plan.table()`
+at start and writes `Plan.as_dict()` to the run dir (plan.json). A new sizing rule (say, for one-GPU hosts)
+changes `plan()` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rayzero.config import ClusterConfig, Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """One role's actors: how many, and what each one gets."""
+
+    count: int
+    cpus: float
+    """CPUs per actor."""
+    gpus: float = 0.0
+    """GPUs (or a share of one) per actor."""
+    device: str = "cpu"
+    """Where the role's torch work runs: 'cpu' or 'cuda'."""
+    envs: int = 0
+    """Envs each actor steps (self-play: env.num_envs; evaluation: run.eval_episodes)."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Other actor options (max_restarts, max_concurrency)."""
+
+    def actor_options(self) -> dict[str, Any]:
+        """What `ray.remote(cls).options(...)` gets for one actor of the role."""
+        return {"num_cpus": self.cpus, "num_gpus": self.gpus, **self.options}
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerRanks:
+    """A learner group's ranks: one placement-group bundle and the same actor options for each."""
+
+    bundles: tuple[dict[str, float], ...]
+    rank_options: dict[str, Any]
+    facade_options: dict[str, Any]
+    """The `LearnerGroup` actor itself: it only forwards calls, so it holds no resources."""
+
+
+def learner_ranks(num_learners: int, cpus: float, gpus: float) -> LearnerRanks:
+    """STRICT_PACK bundles of `cpus` (at least 0.01: a bundle cannot be empty) and `gpus` per rank."""
+    bundle: dict[str, float] = {"CPU": max(cpus, 0.01)}
+    if gpus > 0:
+        bundle["GPU"] = gpus
+    return LearnerRanks(tuple(dict(bundle) for _ in range(num_learners)),
+                        {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0},
+                        {"num_cpus": 0, "max_restarts": 0})
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-role resources and the device decisions that follow from them."""
+
+    replay: Role
+    learner: Role
+    """Per rank; `count` = cluster.num_learners."""
+    selfplay: Role
+    evaluation: Role
+    inference: Role | None
+    """None: inference is 'local' (each self-play actor runs its own copy of the network)."""
+    reanalyse: Role | None = None
+    """None: reanalyse is off."""
+    learner_group: LearnerRanks | None = None
+    """With cluster.num_learners > 1: the group's bundles and options."""
+    whole_search: bool = False
+    """Self-play sends whole searches to the inference actor (one call per env step): it runs them on a GPU as
+    CUDA-graph replays. Otherwise self-play drives the search and asks for network steps."""
+    autoscaler_bundles: tuple[dict[str, float], ...] = ()
+    """Bundles asked of the autoscaler at start (cluster.request_resources)."""
+
+    def roles(self) -> dict[str, Role]:
+        named = {"replay": self.replay, "learner": self.learner, "selfplay": self.selfplay,
+                 "evaluation": self.evaluation, "inference": self.inference, "reanalyse": self.reanalyse}
+        return {name: role for name, role in named.items() if role is not None}
+
+    def table(self) -> str:
+        """role, count, CPUs and GPUs per actor, device, envs per actor: one line per role."""
+        lines = [f"{'role':<11} {'count':>5} {'CPUs':>5} {'GPUs':>5} {'device':>6} {'envs':>5}"]
+        for name, role in self.roles().items():
+            lines.append(f"{name:<11} {role.count:>5d} {role.cpus:>5g} {role.gpus:>5g} {role.device:>6} "
+                         f"{role.envs or '-':>5}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SHARED_GPU_LEARNER = 0.5
+"""The learner's share of a host's only GPU; the inference actor takes the rest."""
+
+
+def _shares_one_gpu(config: Config, gpus: float) -> bool:
+    """One GPU and nothing pinned: the learner and the inference actor share it (the learner alone on it left
+    self-play searching with a CPU copy of the network, at a few dozen env steps per second)."""
+    c = config.cluster
+    return (1 <= gpus < 2 and c.num_learners == 1 and c.learner_gpus == 0 and c.inference_gpus == 0
+            and config.learner.device in ("auto", "cuda") and config.inference.mode in ("auto", "central")
+            and config.inference.device in ("auto", "cuda"))
+
+
+def selfplay_actors(c: ClusterConfig, cpus: int, central: bool) -> int:
+    """cluster.num_selfplay_actors, or with 0 the CPUs that the learner, the inference actor and (above 4 CPUs)
+    the driver and replay leave, at least 1."""
+    if c.num_selfplay_actors:
+        return c.num_selfplay_actors
+    reserved = c.learner_cpus * c.num_learners + (1 if central else 0) + (2 if cpus > 4 else 0)
+    return max(1, int((cpus - reserved) // max(c.selfplay_cpus, 1.0)))
+
+
+def plan(config: Config, available: dict[str, float]) -> Plan:
+    """Every CPU/GPU request from the config and what the cluster has (`ray.cluster_resources()`)."""
+    c = config.cluster
+    gpus = available.get("GPU", 0.0)
+    learner_gpus = c.learner_gpus
+    if config.learner.device == "cuda" and learner_gpus == 0:
+        learner_gpus = 1.0
+    if config.learner.device == "auto" and learner_gpus == 0 and gpus >= 1:
+        learner_gpus = 1.0
+    all_learner_gpus = learner_gpus * c.num_learners
+    if all_learner_gpus > gpus:
+        raise ConfigError(f"cluster.learner_gpus={learner_gpus} x cluster.num_learners={c.num_learners} needs "
+                          f"{all_learner_gpus} GPUs but the cluster has {gpus}")
+    mode = config.inference.mode
+    share = _shares_one_gpu(config, gpus)
+    if share:
+        learner_gpus, all_learner_gpus, mode = SHARED_GPU_LEARNER, SHARED_GPU_LEARNER, "central"
+    if mode == "auto":
+        mode = "central" if gpus >= all_learner_gpus + 1 else "local"
+    inference_gpus = c.inference_gpus or (1.0 if mode == "central" and gpus >= all_learner_gpus + 1 else 0.0)
+    if share:
+        inference_gpus = 1.0 - SHARED_GPU_LEARNER
+    inference_device = "cuda" if inference_gpus > 0 else "cpu"
+    # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
+    # beyond what fits now stay pending: that is the demand an autoscaler acts on.
+    num_selfplay = max(selfplay_actors(c, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
+    return Plan(
+        replay=Role(config.replay.shards or c.num_learners, c.replay_cpus, options={"max_restarts": 0}),
+        learner=Role(c.num_learners, c.learner_cpus, learner_gpus, "cuda" if learner_gpus > 0 else "cpu"),
+        selfplay=Role(num_selfplay, c.selfplay_cpus, envs=config.env.num_envs, options={"max_restarts": 0}),
+        evaluation=Role(1, c.eval_cpus, envs=config.run.eval_episodes, options={"max_restarts": -1}),
+        # The inference actor serves every self-play actor at once from its event loop: many calls in flight.
+        inference=(Role(1, 1.0, inference_gpus, inference_device, options={"max_concurrency": 1000})
+                   if mode == "central" else None),
+        reanalyse=(Role(c.num_reanalyse_workers, c.reanalyse_cpus, c.reanalyse_gpus,
+                        "cuda" if c.reanalyse_gpus > 0 else "cpu", options={"max_restarts": -1})
+                   if config.reanalyse.fraction > 0 else None),
+        learner_group=learner_ranks(c.num_learners, c.learner_cpus, learner_gpus) if c.num_learners > 1 else None,
+        whole_search=mode == "central" and inference_device == "cuda",
+        autoscaler_bundles=tuple({"CPU": c.selfplay_cpus} for _ in range(num_selfplay)) if c.request_resources else (),
+    )

@@ -1,0 +1,200 @@
+"""What the driver runs next: the decisions of the training loop, from the counters and what is in flight.
+
+No Ray here: `Schedule` gets plain numbers and the set of roles with a call in flight, and answers with
+`Call`s; `train.Driver` issues them and records their results. So the loop's rules are unit-tested without a
+cluster (tests/test_schedule.py):
+  * the learner starts once replay holds `replay.min_size` transitions (and every shard can be sampled);
+  * self-play runs while the learner keeps up with `learner.replay_ratio` (learner samples per transition
+    that reached replay), within a slack; the learner runs while it is behind. Until the learner's first call
+    of the run returns (its compilation can take a minute or two) self-play runs freely, and the ratio then
+    counts from that point, so neither side starts out stalled;
+  * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
+  * evaluation every `run.eval_interval` seconds once the learner has stepped;
+  * a role never has two calls in flight;
+  * the run stops at the first limit reached (interrupt, time, env steps, learner steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+
+from rayzero.config import Config
+
+COLLECT, LEARN, REANALYSE, EVAL = "collect", "learn", "reanalyse", "eval"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One remote call to start: `role` and the index of its actor (self-play actor, reanalyse worker)."""
+
+    role: str
+    index: int = 0
+    temperature: float = 1.0
+    """collect: the visit temperature of self-play."""
+    shard: int = 0
+    """reanalyse: the replay shard to re-search."""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What may have only one call in flight."""
+        return self.role, self.index
+
+
+@dataclasses.dataclass
+class Counters:
+    """What the driver has recorded so far (results of finished calls only)."""
+
+    env_steps: int = 0
+    learner_steps: int = 0
+    replay_transitions: int = 0
+    """Transitions that reached replay (env steps still in an actor's segment buffer cannot be trained on)."""
+    reanalysed: int = 0
+    episodes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """The numbers the schedule decides by, taken from the config and the built roles."""
+
+    replay_ratio: float
+    min_size: int
+    samples_per_step: int
+    """learner.batch_size x learner ranks (each rank trains on its own batch)."""
+    steps_per_call: int
+    slack: float
+    """Learner samples by which self-play may run ahead of the ratio (replay must fill first)."""
+    reanalyse_fraction: float = 0.0
+    num_reanalyse: int = 0
+    num_shards: int = 1
+    temperature_schedule: tuple[tuple[int, float], ...] = ()
+    eval_interval: float = 30.0
+    log_interval: float = 5.0
+    checkpoint_interval: int = 1000
+    time_limit: float = 0.0
+    max_env_steps: int = 0
+    max_learner_steps: int = 0
+
+    @classmethod
+    def from_config(cls, config: Config, num_selfplay: int, num_shards: int, num_reanalyse: int) -> Rules:
+        learner, replay, run = config.learner, config.replay, config.run
+        collect_env_steps = run.selfplay_steps_per_call * config.env.num_envs
+        return cls(
+            replay_ratio=learner.replay_ratio, min_size=replay.min_size,
+            samples_per_step=learner.batch_size * config.cluster.num_learners, steps_per_call=learner.steps_per_call,
+            slack=learner.replay_ratio * max(replay.min_size, 2 * collect_env_steps * num_selfplay),
+            reanalyse_fraction=config.reanalyse.fraction, num_reanalyse=num_reanalyse, num_shards=num_shards,
+            temperature_schedule=run.temperature_schedule, eval_interval=run.eval_interval,
+            log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
+            time_limit=run.time_limit, max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
+        )
+
+
+def temperature_at(schedule: tuple[tuple[int, float], ...], learner_steps: int) -> float:
+    """The visit temperature of the last (learner step, temperature) entry whose step has passed."""
+    value = schedule[0][1] if schedule else 1.0
+    for step, temperature in schedule:
+        if learner_steps >= step:
+            value = temperature
+    return value
+
+
+class Schedule:
+    """The loop's decisions; times are seconds on the driver's clock (`time.perf_counter()`)."""
+
+    def __init__(self, rules: Rules, start: float, learner_steps: int = 0, now: float | None = None):
+        """`start`: when the run started (the time limit counts from it); `now`: when the loop starts (the
+        evaluation and log cadences count from it; default `start`)."""
+        self.rules = rules
+        self.start = start
+        now = start if now is None else now
+        self.next_eval = now + rules.eval_interval
+        self.next_log = now + rules.log_interval
+        interval = rules.checkpoint_interval
+        self.next_checkpoint = (learner_steps // interval + 1) * interval
+        self.reanalyse_calls = 0
+        self.shards_filled = rules.num_shards == 1
+        self.learned_once = False  # the learner's first call of this run has returned
+        self.ratio_base = 0.0  # transitions the ratio leaves out: those added before that call returned
+
+    # -- what to start -----------------------------------------------------------------------------------
+
+    def learner_ready(self, counters: Counters, shards_sampleable: Callable[[], bool]) -> bool:
+        """Replay holds min_size transitions and every shard something to sample (asked once, then kept)."""
+        if counters.replay_transitions < max(1, self.rules.min_size):
+            return False
+        if not self.shards_filled:
+            self.shards_filled = shards_sampleable()
+        return self.shards_filled
+
+    def next_calls(self, counters: Counters, in_flight: Collection[tuple[str, int]], actors: Collection[int],
+                   now: float, shards_sampleable: Callable[[], bool] = lambda: True) -> list[Call]:
+        """The calls to start now. `in_flight`: keys (`Call.key`) of the calls not yet finished; `actors`: the
+        indices of the live self-play actors; `shards_sampleable`: whether every replay shard can be sampled."""
+        rules = self.rules
+        ready = self.learner_ready(counters, shards_sampleable)
+        samples = counters.learner_steps * rules.samples_per_step
+        target = rules.replay_ratio * (counters.replay_transitions - self.ratio_base)
+        calls = []
+        if not (ready and self.learned_once) or target <= samples + rules.slack:  # while the learner keeps up
+            temperature = temperature_at(rules.temperature_schedule, counters.learner_steps)
+            calls += [Call(COLLECT, i, temperature=temperature) for i in sorted(actors)
+                      if (COLLECT, i) not in in_flight]
+        if ready and (LEARN, 0) not in in_flight and samples < target + rules.steps_per_call * rules.samples_per_step:
+            calls.append(Call(LEARN))
+        for i in range(rules.num_reanalyse):
+            if ready and (REANALYSE, i) not in in_flight and counters.reanalysed < rules.reanalyse_fraction * samples:
+                calls.append(Call(REANALYSE, i, shard=self.reanalyse_calls % rules.num_shards))
+                self.reanalyse_calls += 1
+        if (EVAL, 0) not in in_flight and now >= self.next_eval and counters.learner_steps > 0:
+            calls.append(Call(EVAL))
+        return calls
+
+    def learned(self, counters: Counters) -> None:
+        """A learner call returned (counters updated). After the run's first, the ratio counts from here: the
+        transitions beyond what the learner's samples cover at the ratio are left out of it."""
+        if not self.learned_once:
+            self.learned_once = True
+            samples = counters.learner_steps * self.rules.samples_per_step
+            self.ratio_base = max(0.0, counters.replay_transitions - samples / self.rules.replay_ratio)
+
+    # -- cadences ----------------------------------------------------------------------------------------
+
+    def evaluated(self, now: float) -> None:
+        """An evaluation ended: the next one is due an interval later."""
+        self.next_eval = now + self.rules.eval_interval
+
+    def log_due(self, now: float) -> bool:
+        """Whether a progress line is due (then the next one is an interval later)."""
+        if now < self.next_log:
+            return False
+        self.next_log = now + self.rules.log_interval
+        return True
+
+    def checkpoint_due(self, learner_steps: int) -> bool:
+        """Whether a checkpoint is due after a learner call that reached `learner_steps`."""
+        if learner_steps < self.next_checkpoint:
+            return False
+        self.next_checkpoint += self.rules.checkpoint_interval
+        return True
+
+    def stop_reason(self, counters: Counters, now: float, interrupted: bool = False) -> str:
+        """Why the run ends now ('' while it goes on)."""
+        rules = self.rules
+        if interrupted:
+            return "interrupted"
+        if rules.time_limit and now - self.start >= rules.time_limit:
+            return "time_limit"
+        if rules.max_env_steps and counters.env_steps >= rules.max_env_steps:
+            return "max_env_steps"
+        if rules.max_learner_steps and counters.learner_steps >= rules.max_learner_steps:
+            return "max_learner_steps"
+        return ""
+
+    def wait_timeout(self, now: float) -> float:
+        """How long the driver may wait for a result: until the next log line or evaluation, the time limit,
+        and at most a second, so a Ctrl-C (a flag the loop reads) is noticed promptly."""
+        until = min(self.next_log, self.next_eval, now + 1.0)
+        if self.rules.time_limit:
+            until = min(until, self.start + self.rules.time_limit)
+        return max(0.01, until - now)

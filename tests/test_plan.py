@@ -1,0 +1,76 @@
+"""The resource plan (cluster/plan.py): every role's count, CPUs, GPUs and device, from the config and the host."""
+
+import json
+
+import pytest
+
+from rayzero import cluster
+from rayzero import config as config_lib
+from rayzero.config import ConfigError
+
+
+def test_a_two_cpu_laptop_gets_every_role_on_the_cpu():
+    cfg = config_lib.load("cartpole")
+    plan = cluster.plan(cfg, {"CPU": 2.0})
+    assert set(plan.roles()) == {"replay", "learner", "selfplay", "evaluation"}
+    assert plan.inference is None and plan.reanalyse is None and plan.learner_group is None
+    assert all(role.gpus == 0 and role.device == "cpu" for role in plan.roles().values())
+    assert plan.selfplay.count == 1 and plan.selfplay.envs == cfg.env.num_envs  # the core the learner leaves
+    assert plan.learner.actor_options() == {"num_cpus": cfg.cluster.learner_cpus, "num_gpus": 0.0}
+    assert plan.selfplay.actor_options()["max_restarts"] == 0  # the driver replaces lost actors itself
+    assert not plan.whole_search
+
+
+def test_one_gpu_16_cpu_host_shares_the_gpu_and_fills_the_cores_with_self_play():
+    """The learner and a central inference actor share the only GPU; self-play gets the cores that the learner,
+    the inference actor, the driver and replay leave: 16 - 1 - 1 - 2 = 12."""
+    plan = cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 1.0})
+    assert plan.learner.gpus == 0.5 and plan.learner.device == "cuda"
+    assert plan.inference is not None and plan.inference.gpus == 0.5 and plan.inference.device == "cuda"
+    assert plan.whole_search and plan.selfplay.count == 12
+
+
+def test_pinned_values_win_over_the_host_rules():
+    cfg = config_lib.load("atari", ["cluster.learner_gpus=1", "cluster.num_selfplay_actors=3"])
+    plan = cluster.plan(cfg, {"CPU": 16.0, "GPU": 1.0})
+    assert plan.learner.gpus == 1.0 and plan.inference is None and plan.selfplay.count == 3
+    local = cluster.plan(config_lib.load("atari", ["inference.mode=local"]), {"CPU": 16.0, "GPU": 1.0})
+    assert local.inference is None and local.learner.gpus == 1.0 and local.selfplay.count == 13
+
+
+def test_a_second_gpu_goes_to_a_central_inference_actor_with_whole_searches():
+    plan = cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 2.0})
+    assert plan.inference is not None and plan.inference.device == "cuda" and plan.inference.gpus == 1.0
+    assert plan.learner.gpus == 1.0 and plan.selfplay.count == 12
+    assert plan.inference.actor_options() == {"num_cpus": 1.0, "num_gpus": 1.0, "max_concurrency": 1000}
+    assert plan.whole_search
+
+
+def test_central_inference_on_the_cpu_does_not_send_whole_searches():
+    plan = cluster.plan(config_lib.load("cartpole", ["inference.mode=central"]), {"CPU": 2.0})
+    assert plan.inference is not None and plan.inference.device == "cpu" and not plan.whole_search
+
+
+def test_a_learner_group_gets_its_bundles_from_the_plan():
+    cfg = config_lib.load("cartpole", ["cluster.num_learners=2", "cluster.learner_cpus=0", "reanalyse.fraction=0.5"])
+    plan = cluster.plan(cfg, {"CPU": 2.0})
+    assert plan.learner.count == 2 and plan.replay.count == 2
+    group = plan.learner_group
+    assert group.bundles == ({"CPU": 0.01}, {"CPU": 0.01})  # a bundle cannot be empty
+    assert group.rank_options == {"num_cpus": 0.0, "num_gpus": 0.0, "max_restarts": 0}
+    assert plan.reanalyse is not None and plan.reanalyse.count == cfg.cluster.num_reanalyse_workers
+
+
+def test_too_few_gpus_for_the_learners_is_a_config_error():
+    cfg = config_lib.load("cartpole", ["cluster.learner_gpus=1", "cluster.num_learners=2"])
+    with pytest.raises(ConfigError, match="needs 2.0 GPUs"):
+        cluster.plan(cfg, {"CPU": 8.0, "GPU": 1.0})
+
+
+def test_the_plan_prints_as_a_table_and_saves_as_json():
+    plan = cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 2.0})
+    lines = plan.table().splitlines()
+    assert lines[0].split() == ["role", "count", "CPUs", "GPUs", "device", "envs"]
+    assert [line.split()[0] for line in lines[1:]] == ["replay", "learner", "selfplay", "evaluation", "inference"]
+    document = json.loads(json.dumps(plan.as_dict()))
+    assert document["inference"]["device"] == "cuda" and document["selfplay"]["envs"] == 16

@@ -1,0 +1,157 @@
+"""The driver's decisions (schedule.py), without Ray: plain counters in, calls out."""
+
+import pytest
+
+from rayzero import config as config_lib
+from rayzero.schedule import COLLECT, EVAL, LEARN, REANALYSE, Counters, Rules, Schedule, temperature_at
+
+RULES = Rules(replay_ratio=2.0, min_size=100, samples_per_step=10, steps_per_call=5, slack=50.0,
+              eval_interval=30.0, log_interval=5.0, checkpoint_interval=100)
+
+
+def roles(calls):
+    return sorted(call.key for call in calls)
+
+
+def test_learner_starts_only_when_replay_holds_min_size():
+    schedule = Schedule(RULES, start=0.0)
+    counters = Counters(replay_transitions=99)
+    assert (LEARN, 0) not in roles(schedule.next_calls(counters, set(), [0], now=1.0))
+    counters.replay_transitions = 100
+    assert (LEARN, 0) in roles(schedule.next_calls(counters, set(), [0], now=1.0))
+
+
+def test_learner_waits_for_every_shard():
+    rules = Rules(**{**RULES.__dict__, "num_shards": 2})
+    schedule = Schedule(rules, start=0.0)
+    counters = Counters(replay_transitions=500)
+    asked = []
+    assert (LEARN, 0) not in roles(schedule.next_calls(counters, set(), [0], 1.0, lambda: asked.append(1) or False))
+    assert (LEARN, 0) in roles(schedule.next_calls(counters, set(), [0], 1.0, lambda: asked.append(1) or True))
+    schedule.next_calls(counters, set(), [0], 1.0, lambda: asked.append(1) or False)
+    assert len(asked) == 2  # once every shard was sampleable, it is not asked again
+
+
+def test_selfplay_is_throttled_at_the_replay_ratio():
+    schedule = Schedule(RULES, start=0.0)
+    schedule.learned(Counters(replay_transitions=10, learner_steps=5))  # a first call that kept up: base 0
+    assert schedule.ratio_base == 0.0
+    # 1000 transitions at ratio 2 want 2000 samples; the learner has trained on 1000 (+ slack 50): far behind.
+    behind = Counters(replay_transitions=1000, learner_steps=100)
+    calls = roles(schedule.next_calls(behind, set(), [0, 1], now=1.0))
+    assert (COLLECT, 0) not in calls and (COLLECT, 1) not in calls and (LEARN, 0) in calls
+    # Within the slack self-play goes on.
+    keeping_up = Counters(replay_transitions=1000, learner_steps=196)  # 1960 + 50 >= 2000
+    assert {(COLLECT, 0), (COLLECT, 1)} <= set(roles(schedule.next_calls(keeping_up, set(), [0, 1], now=1.0)))
+    # The learner stops once it is a call ahead of the ratio.
+    ahead = Counters(replay_transitions=1000, learner_steps=205)  # 2050 samples >= 2000 + 5 * 10
+    assert (LEARN, 0) not in roles(schedule.next_calls(ahead, set(), [0, 1], now=1.0))
+
+
+def test_selfplay_runs_before_replay_is_ready_whatever_the_ratio():
+    schedule = Schedule(RULES, start=0.0)
+    calls = roles(schedule.next_calls(Counters(replay_transitions=50), set(), [0, 1, 2], now=1.0))
+    assert calls == [(COLLECT, 0), (COLLECT, 1), (COLLECT, 2)]
+
+
+def test_never_two_calls_on_one_role():
+    rules = Rules(**{**RULES.__dict__, "reanalyse_fraction": 1.0, "num_reanalyse": 2})
+    schedule = Schedule(rules, start=0.0)
+    counters = Counters(replay_transitions=1000, learner_steps=196)  # within the slack: every role has work
+    in_flight = set()
+    for turn in range(20):
+        calls = schedule.next_calls(counters, in_flight, [0, 1, 2], now=100.0 + turn)
+        keys = [call.key for call in calls]
+        assert len(keys) == len(set(keys)) and not set(keys) & in_flight, (keys, in_flight)
+        in_flight |= set(keys)
+    assert in_flight == {(COLLECT, 0), (COLLECT, 1), (COLLECT, 2), (LEARN, 0), (REANALYSE, 0), (REANALYSE, 1),
+                         (EVAL, 0)}
+
+
+def test_reanalyse_round_robins_over_shards_while_behind():
+    rules = Rules(**{**RULES.__dict__, "reanalyse_fraction": 0.5, "num_reanalyse": 1, "num_shards": 2})
+    schedule = Schedule(rules, start=0.0)
+    counters = Counters(replay_transitions=1000, learner_steps=100)  # 1000 samples: 500 positions due
+    shards = []
+    for _ in range(3):
+        (call,) = [c for c in schedule.next_calls(counters, set(), [], 1.0) if c.role == REANALYSE]
+        shards.append(call.shard)
+    assert shards == [0, 1, 0]
+    counters.reanalysed = 500
+    assert not [c for c in schedule.next_calls(counters, set(), [], 1.0) if c.role == REANALYSE]
+
+
+def test_evaluation_every_interval_once_the_learner_has_stepped():
+    schedule = Schedule(RULES, start=0.0)
+    assert (EVAL, 0) not in roles(schedule.next_calls(Counters(learner_steps=0), set(), [], now=31.0))
+    assert (EVAL, 0) not in roles(schedule.next_calls(Counters(learner_steps=5), set(), [], now=29.0))
+    assert (EVAL, 0) in roles(schedule.next_calls(Counters(learner_steps=5), set(), [], now=31.0))
+    schedule.evaluated(now=40.0)
+    assert (EVAL, 0) not in roles(schedule.next_calls(Counters(learner_steps=5), set(), [], now=60.0))
+    assert (EVAL, 0) in roles(schedule.next_calls(Counters(learner_steps=5), set(), [], now=70.0))
+
+
+def test_ends_at_the_time_limit():
+    rules = Rules(**{**RULES.__dict__, "time_limit": 60.0, "eval_interval": 1e6, "log_interval": 1e6})
+    schedule = Schedule(rules, start=1000.0)
+    assert schedule.stop_reason(Counters(), now=1059.9) == ""
+    assert schedule.stop_reason(Counters(), now=1060.0) == "time_limit"
+    # The driver never waits past the limit.
+    assert schedule.wait_timeout(now=1059.5) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("field, counters, reason", [
+    ("max_env_steps", Counters(env_steps=500), "max_env_steps"),
+    ("max_learner_steps", Counters(learner_steps=500), "max_learner_steps"),
+])
+def test_ends_at_the_step_limits(field, counters, reason):
+    schedule = Schedule(Rules(**{**RULES.__dict__, field: 500}), start=0.0)
+    assert schedule.stop_reason(counters, now=1.0) == reason
+    assert schedule.stop_reason(Counters(), now=1.0) == ""
+
+
+def test_an_interrupt_ends_first():
+    schedule = Schedule(Rules(**{**RULES.__dict__, "time_limit": 1.0}), start=0.0)
+    assert schedule.stop_reason(Counters(), now=5.0, interrupted=True) == "interrupted"
+
+
+def test_checkpoint_and_log_cadence():
+    schedule = Schedule(RULES, start=0.0, learner_steps=150)  # resumed at step 150: next checkpoint at 200
+    assert not schedule.checkpoint_due(199)
+    assert schedule.checkpoint_due(210) and not schedule.checkpoint_due(250) and schedule.checkpoint_due(300)
+    assert not schedule.log_due(4.0) and schedule.log_due(5.0) and not schedule.log_due(6.0)
+
+
+def test_temperature_follows_the_schedule():
+    steps = ((0, 1.0), (100, 0.5), (200, 0.25))
+    assert [temperature_at(steps, s) for s in (0, 99, 100, 250)] == [1.0, 1.0, 0.5, 0.25]
+    schedule = Schedule(Rules(**{**RULES.__dict__, "temperature_schedule": steps}), start=0.0)
+    (call,) = schedule.next_calls(Counters(learner_steps=120), set(), [0], now=1.0)
+    assert call.role == COLLECT and call.temperature == 0.5
+
+
+def test_rules_from_a_preset():
+    cfg = config_lib.load("cartpole", ["cluster.num_learners=2", "cluster.learner_cpus=0"])
+    rules = Rules.from_config(cfg, num_selfplay=1, num_shards=2, num_reanalyse=0)
+    assert rules.samples_per_step == 2 * cfg.learner.batch_size
+    collect = cfg.run.selfplay_steps_per_call * cfg.env.num_envs
+    assert rules.slack == cfg.learner.replay_ratio * max(cfg.replay.min_size, 2 * collect)
+
+
+def test_selfplay_runs_freely_until_the_first_learner_call_returns_then_the_ratio_counts_from_there():
+    """The learner's first call can take minutes (compilation): self-play is not held back meanwhile, and the
+    transitions it added then do not leave the learner a ratio's worth behind."""
+    schedule = Schedule(RULES, start=0.0)
+    compiling = Counters(replay_transitions=5000, learner_steps=0)  # far behind the ratio, first call in flight
+    calls = roles(schedule.next_calls(compiling, {(LEARN, 0)}, [0, 1], now=1.0))
+    assert calls == [(COLLECT, 0), (COLLECT, 1)]
+    first = Counters(replay_transitions=6000, learner_steps=5)  # the first call returned: 50 samples
+    schedule.learned(first)
+    assert schedule.ratio_base == pytest.approx(6000 - 50 / 2.0)
+    assert {(COLLECT, 0), (COLLECT, 1), (LEARN, 0)} <= set(roles(schedule.next_calls(first, set(), [0, 1], 2.0)))
+    # From there on the ratio holds: 200 more transitions want 400 more samples than the learner has.
+    behind = Counters(replay_transitions=6200, learner_steps=5 + 10)
+    calls = roles(schedule.next_calls(behind, set(), [0, 1], now=3.0))
+    assert (COLLECT, 0) not in calls and (LEARN, 0) in calls
+    schedule.learned(Counters(replay_transitions=9000, learner_steps=100))  # later calls move nothing
+    assert schedule.ratio_base == pytest.approx(6000 - 50 / 2.0)
