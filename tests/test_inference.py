@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import threading
 import types
 
 import numpy as np
@@ -59,7 +60,7 @@ def test_value_prefix_model_served_through_latent_handles():
     srv = InferenceServer(prefix_model, InferenceConfig(device="cpu", max_batch=16, min_bucket=4), (4,), 3, seed=0)
     state = {k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v
              for k, v in srv.model.state_dict().items()}  # non-zero heads, so rewards are not all 0
-    srv.set_weights(1, state)
+    asyncio.run(srv.set_weights(1, state))
     obs = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
     actions = [np.array([0, 1, 2, 1, 0]), np.array([2, 2, 1, 0, 1])]
 
@@ -124,7 +125,7 @@ def test_weight_swap_changes_outputs_and_version():
     obs = np.ones((3, 4), dtype=np.float32)
     before = asyncio.run(srv.initial("c", obs))
     state = {k: v + 0.1 for k, v in srv.model.state_dict().items()}
-    assert srv.set_weights(7, state) == 7 and srv.get_version() == 7
+    assert asyncio.run(srv.set_weights(7, state)) == 7 and srv.get_version() == 7
     after = asyncio.run(srv.initial("c", obs))
     assert not np.allclose(before["policy_logits"], after["policy_logits"])
     with torch.no_grad():
@@ -193,7 +194,7 @@ def test_weight_swap_while_serving_no_request_fails_and_versions_match():
         tasks = [asyncio.create_task(client(f"c{i}", stop, seen)) for i in range(6)]
         while len(seen) < 20:
             await asyncio.sleep(0.001)
-        await asyncio.get_running_loop().run_in_executor(None, srv.set_weights, 3, new)
+        await srv.set_weights(3, new)
         count = len(seen)
         while len(seen) < count + 20:
             await asyncio.sleep(0.001)
@@ -221,11 +222,41 @@ def test_set_weights_rejects_a_wrong_state_dict_and_keeps_serving():
     srv = server()
     bad = {k: torch.zeros(1) for k in srv.model.state_dict()}
     with pytest.raises(InferenceError, match="shape"):
-        srv.set_weights(1, bad)
+        asyncio.run(srv.set_weights(1, bad))
     with pytest.raises(InferenceError, match="lacks"):
-        srv.set_weights(1, {})
+        asyncio.run(srv.set_weights(1, {}))
     assert srv.get_version() == 0
     assert asyncio.run(srv.initial("c", np.zeros((1, 4), np.float32)))["version"] == 0
+
+
+def test_requests_are_served_while_a_slow_weight_swap_is_in_progress():
+    """set_weights waits off the event loop: requests sent during a slow swap are answered (old version)
+    before it ends, and later ones get the new version."""
+    srv = server()
+    obs = np.ones((2, 4), dtype=np.float32)
+    staging, release = threading.Event(), threading.Event()
+    stage = srv.runner.stage_weights
+
+    def slow_stage(state_dict):
+        staging.set()
+        release.wait(10)
+        return stage(state_dict)
+
+    srv.runner.stage_weights = slow_stage
+
+    async def go():
+        swap = asyncio.create_task(srv.set_weights(1, {k: v + 0.1 for k, v in srv.model.state_dict().items()}))
+        await asyncio.get_running_loop().run_in_executor(None, staging.wait, 10)
+        during = [await asyncio.wait_for(srv.initial("c", obs), 5) for _ in range(5)]
+        stats = srv.stats()
+        assert not swap.done()
+        release.set()
+        assert await swap == 1
+        return during, stats, await srv.initial("c", obs)
+
+    during, stats, after = asyncio.run(go())
+    assert [d["version"] for d in during] == [0] * 5 and stats["version"] == 0
+    assert after["version"] == 1
 
 
 def _precision_errors(model, obs, actions) -> dict[bool, dict[str, float]]:
@@ -323,7 +354,7 @@ def test_evaluation_cache_hits_give_the_same_answers_and_valid_handles():
     cache = srv.stats()["cache"]
     assert cache["lookups"] == 7 and cache["hits"] == 2 and cache["hit_rate"] == pytest.approx(2 / 7)
     assert cache["entries"] == 4  # bounded: 5 distinct rows, 4 entries
-    srv.set_weights(1, srv.model.state_dict())
+    asyncio.run(srv.set_weights(1, srv.model.state_dict()))
     assert srv.stats()["cache"]["entries"] == 0  # a weight update clears it
 
 
@@ -546,7 +577,7 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
     assert sum(g.replays for g in runner.graphs.values()) >= 4
     # Weights land in place: the same parameter tensors, new values, reported version.
     before = [p.data_ptr() for p in model.parameters()]
-    srv.set_weights(2, {k: v * 0.5 for k, v in model.state_dict().items()})
+    asyncio.run(srv.set_weights(2, {k: v * 0.5 for k, v in model.state_dict().items()}))
     assert [p.data_ptr() for p in model.parameters()] == before
     after = asyncio.run(srv.initial("c9", obs[0]))
     with torch.no_grad():

@@ -149,7 +149,7 @@ def test_weight_swap_while_serving_on_graphs():
         tasks = [asyncio.create_task(client(f"c{i}", stop, seen)) for i in range(8)]
         while len(seen) < 40:
             await asyncio.sleep(0.001)
-        await asyncio.get_running_loop().run_in_executor(None, srv.set_weights, 5, new)
+        await srv.set_weights(5, new)
         count = len(seen)
         while len(seen) < count + 40:
             await asyncio.sleep(0.001)

@@ -466,10 +466,13 @@ class Runner:
 
     @torch.no_grad()
     def set_weights(self, state_dict: dict[str, Any]) -> None:
-        """Copy a state dict into the model in place (captured graphs keep pointing at the same memory).
+        """Copy a state dict into the model in place (captured graphs keep pointing at the same memory)."""
+        self.apply_weights(self.stage_weights(state_dict))
 
-        CUDA: through pinned staging, on the compute stream, so it lands between batches in stream order.
-        """
+    @torch.no_grad()
+    def stage_weights(self, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Check a state dict and stage it on the host: the slow half of a weight swap, safe off the GPU thread
+        (one call at a time: CUDA stages into one set of pinned buffers, reused once the last copy is done)."""
         target = self.model.state_dict()
         missing = [k for k in target if k not in state_dict]
         if missing:
@@ -479,18 +482,30 @@ class Runner:
             if shape != tuple(tensor.shape):
                 raise InferenceError(f"set_weights: {name} has shape {shape}, the model's is {tuple(tensor.shape)}")
         if not self.cuda:
-            for name, tensor in target.items():
-                tensor.copy_(torch.as_tensor(state_dict[name]))
-            return
+            return {name: torch.as_tensor(state_dict[name]) for name in target}
         if self._weight_stage is None:
             self._weight_stage = {k: pinned(tuple(t.shape), t.dtype) for k, t in target.items()}
             self._weights_copied = torch.cuda.Event()
         self._weights_copied.synchronize()  # the previous update has left the staging buffers
         for name, stage in self._weight_stage.items():
             stage.copy_(torch.as_tensor(state_dict[name]))
+        return self._weight_stage
+
+    @torch.no_grad()
+    def apply_weights(self, staged: dict[str, torch.Tensor]) -> None:
+        """GPU thread: copy staged weights into the model, between batches.
+
+        CUDA: on the compute stream, so they land between batches in stream order (eager batches run on that
+        stream too).
+        """
+        target = self.model.state_dict()
+        if not self.cuda:
+            for name, tensor in target.items():
+                tensor.copy_(staged[name])
+            return
         with torch.cuda.stream(self.stream):
             for name, tensor in target.items():
-                tensor.copy_(self._weight_stage[name], non_blocking=True)
+                tensor.copy_(staged[name], non_blocking=True)
             self._weights_copied.record(self.stream)
 
     @torch.no_grad()

@@ -35,6 +35,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import sys
+import threading
 import time
 from typing import Any
 
@@ -131,6 +132,7 @@ class InferenceServer:
         self._t0 = time.perf_counter()
         self._trace: list[dict[str, Any]] | None = None
         self._poller: channels.Poller | None = None
+        self._swap_lock = threading.Lock()
         self.gone_clients = 0  # channel clients whose process ended (their latent slots were freed)
         self._channel_loop: asyncio.AbstractEventLoop | None = None
 
@@ -246,20 +248,28 @@ class InferenceServer:
         """Free every latent slot of `client` (call when its search ends); returns how many."""
         return self.pool.release(client)
 
-    def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
+    async def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         """Copy `state_dict` into the served model in place, between batches; returns the version now served.
 
-        Batches launched before the call are computed with the old weights, later ones with the new; every
-        answer carries the version it was computed with. The evaluation cache is cleared.
+        Batches launched before the swap are computed with the old weights, later ones with the new; every
+        answer carries the version it was computed with. The evaluation cache is cleared. The event loop keeps
+        serving meanwhile: a helper thread checks and stages the weights (the slow, host-side part), then the
+        GPU thread copies them in between two batches.
         """
-        def swap() -> None:
-            self.runner.set_weights(state_dict)
-            self.version = version
-            if self.cache is not None:
-                self.cache.clear()
+        def swap() -> None:  # helper thread; one swap at a time, as they share the staging buffers
+            with self._swap_lock:
+                staged = self.runner.stage_weights(state_dict)
+                self.gpu.submit(self._apply_weights, version, staged).result()
 
-        self.gpu.submit(swap).result()
+        await asyncio.get_running_loop().run_in_executor(None, swap)
         return version
+
+    def _apply_weights(self, version: int, staged: dict[str, torch.Tensor]) -> None:
+        """GPU thread, between batches: the staged weights into the model, the new version, a clear cache."""
+        self.runner.apply_weights(staged)
+        self.version = version
+        if self.cache is not None:
+            self.cache.clear()
 
     def get_version(self) -> int:
         return self.version
@@ -290,9 +300,9 @@ class InferenceServer:
         events, self._trace = self._trace or [], None
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
-    def profile(self, kind: str, bucket: int, iters: int = 20, graph: bool = True) -> float:
+    async def profile(self, kind: str, bucket: int, iters: int = 20, graph: bool = True) -> float:
         """Benchmarks: seconds per (kind, bucket) call back to back on the device (see Runner.profile)."""
-        return self.gpu.submit(self.runner.profile, kind, bucket, iters, graph).result()
+        return await asyncio.wrap_future(self.gpu.submit(self.runner.profile, kind, bucket, iters, graph))
 
     # -- validation --------------------------------------------------------------------------------------
 
