@@ -259,6 +259,29 @@ def test_requests_are_served_while_a_slow_weight_swap_is_in_progress():
     assert after["version"] == 1
 
 
+def test_stats_while_the_gpu_thread_adds_buckets():
+    """stats() (event loop) reads the metrics while the GPU thread records batches of new buckets."""
+    srv = server()
+
+    def record() -> None:
+        for bucket in range(1, 20001):
+            flight = types.SimpleNamespace(bucket=bucket, rows=1, graph=False, gpu_s=0.0)
+            srv._record(types.SimpleNamespace(kind="initial", flight=flight, launched=0.0, host_s=0.0,
+                                              requests=[types.SimpleNamespace(submitted=0.0)]))
+        done.set()
+
+    done = threading.Event()
+    writer = threading.Thread(target=record)
+    writer.start()
+    try:
+        while not done.is_set():
+            srv.stats()
+    finally:
+        writer.join()
+    buckets = srv.stats()["buckets"]
+    assert len(buckets) == 20000 and all(b["count"] == 1 for b in buckets.values())
+
+
 def _precision_errors(model, obs, actions) -> dict[bool, dict[str, float]]:
     """Errors vs fp32 under bf16 autocast, for heads_fp32 True and False: mean abs error of the values
     (initial and one recurrent step) and of the reward, max abs error of the policy probabilities."""

@@ -126,7 +126,8 @@ class InferenceServer:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.batcher: asyncio.Task | None = None
-        self.metrics: dict[str, dict[str, float]] = {}
+        self.metrics: dict[str, dict[str, float]] = {}  # written by the GPU thread, under _metrics_lock
+        self._metrics_lock = threading.Lock()
         self.errors = 0
         self.requests = 0
         self._t0 = time.perf_counter()
@@ -275,9 +276,14 @@ class InferenceServer:
         return self.version
 
     def stats(self) -> dict[str, Any]:
-        """Version, error and request counts, per-bucket metrics, pool and cache state."""
+        """Version, error and request counts, per-bucket metrics, pool and cache state.
+
+        A plain method: it only reads (the metrics under a lock the GPU thread holds for microseconds), so it
+        never waits for the GPU thread."""
+        with self._metrics_lock:  # the GPU thread adds buckets while serving
+            metrics = {key: dict(m) for key, m in self.metrics.items()}
         buckets = {}
-        for key, m in self.metrics.items():
+        for key, m in metrics.items():
             served = m["rows"] + m["padded"]
             buckets[key] = {**m, "padding_fraction": m["padded"] / served if served else 0.0,
                             "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
@@ -621,16 +627,18 @@ class InferenceServer:
     def _record(self, batch: _Batch) -> None:
         flight = batch.flight
         name = f"{batch.kind}/{flight.bucket}"
-        m = self.metrics.setdefault(name, {"count": 0, "requests": 0, "rows": 0, "padded": 0, "graph": 0,
-                                           "wait_s": 0.0, "gpu_s": 0.0, "host_s": 0.0})
-        m["count"] += 1
-        m["requests"] += len(batch.requests)
-        m["rows"] += flight.rows
-        m["padded"] += flight.bucket - flight.rows if flight.graph else 0
-        m["graph"] += int(flight.graph)
-        m["wait_s"] += sum(batch.launched - r.submitted for r in batch.requests)
-        m["gpu_s"] += flight.gpu_s
-        m["host_s"] += batch.host_s
+        wait_s = sum(batch.launched - r.submitted for r in batch.requests)
+        with self._metrics_lock:
+            m = self.metrics.setdefault(name, {"count": 0, "requests": 0, "rows": 0, "padded": 0, "graph": 0,
+                                               "wait_s": 0.0, "gpu_s": 0.0, "host_s": 0.0})
+            m["count"] += 1
+            m["requests"] += len(batch.requests)
+            m["rows"] += flight.rows
+            m["padded"] += flight.bucket - flight.rows if flight.graph else 0
+            m["graph"] += int(flight.graph)
+            m["wait_s"] += wait_s
+            m["gpu_s"] += flight.gpu_s
+            m["host_s"] += batch.host_s
 
     def _span(self, name: str, start: float, end: float, thread: str, **args: Any) -> None:
         self._trace.append({"name": name, "ph": "X", "pid": 0, "tid": thread, "ts": (start - self._t0) * 1e6,
