@@ -609,6 +609,54 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
     assert after["version"] == 2
 
 
+def test_emulated_cuda_batches_beyond_the_ladder_run_on_the_compute_stream(emulated_cuda, monkeypatch):
+    """Batches larger than the biggest bucket run eagerly, on the compute stream where weight copies are queued
+    (non-blocking), so stream order puts them after a swap; on the default stream nothing ordered the two."""
+    import contextlib
+
+    from rayzero.tree import SearchConfig
+
+    current = [None]
+
+    @contextlib.contextmanager
+    def stream(s):
+        previous, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    cfg = InferenceConfig(device="cpu", max_batch=8, min_bucket=4, bf16=False, search_max_batch=4)
+    srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=SearchConfig(num_simulations=2), discount=0.99)
+    runner = srv.runner
+    seen = []
+    def spy(name, real):
+        def run(*args):
+            seen.append((name, current[0]))
+            return real(*args)
+        return run
+
+    for name in ("_eager_initial", "_eager_recurrent", "_eager_search"):
+        setattr(runner, name, spy(name, getattr(runner, name)))
+    obs = np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32)
+
+    async def go():
+        await srv.set_weights(1, {k: v * 0.5 for k, v in srv.model.state_dict().items()})
+        root = await srv.initial("c", obs)
+        await srv.recurrent("c", root["handles"], np.zeros(12, np.int64))
+        await srv.search("c", obs[:6])
+        return root
+
+    root = asyncio.run(go())
+    assert [name for name, _ in seen] == ["_eager_initial", "_eager_recurrent", "_eager_search"]
+    assert all(s is runner.stream for _, s in seen), seen
+    with torch.no_grad():
+        np.testing.assert_allclose(root["value"], srv.model.initial(torch.from_numpy(obs)).value.numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    assert root["version"] == 1 and srv.stats()["errors"] == 0
+
+
 def test_selfplay_in_whole_search_mode_through_ray():
     """Central mode with whole searches (the GPU default), here on the CPU: one inference call per env step."""
     import ray
