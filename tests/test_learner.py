@@ -307,7 +307,7 @@ def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):
     def fake_compile(module, mode="default", **kwargs):
         def run(*args):
             if mode not in working:
-                raise RuntimeError(f"no {mode} here")
+                raise torch._dynamo.exc.BackendCompilerFailed(run, RuntimeError(f"no {mode} here"), None)
             return module(*args)
         return run
 
@@ -323,6 +323,26 @@ def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):
     learner = Learner(MODEL, cfg, (4,), 2, seed=0)
     assert learner.step(batch)[0]["loss"] == expected[0]
     assert learner.compile_state == "failed"
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug in the loss"), torch.OutOfMemoryError("CUDA out of memory")])
+def test_errors_of_the_loss_in_the_first_compiled_steps_propagate(monkeypatch, error):
+    """Only compiler errors move to the next compile mode: an error raised by the loss code, or an OOM, in a
+    watched first step propagates at once, and the compile state stays as it was."""
+    calls = []
+
+    def fake_compile(module, mode="default", **kwargs):
+        def run(*args):
+            calls.append(mode)
+            raise error
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    cfg = LearnerConfig(**{**LEARNER.__dict__, "compile": True, "compile_mode": "reduce-overhead"})
+    learner = Learner(MODEL, cfg, (4,), 2, seed=0)
+    with pytest.raises(type(error), match=str(error)):
+        learner.step(filled_replay().sample(32))
+    assert calls == ["reduce-overhead"] and learner.compile_state == "pending:reduce-overhead"
 
 
 def test_published_weights_follow_updates_and_cross_ray_as_writable_tensors():

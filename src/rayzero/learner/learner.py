@@ -6,7 +6,8 @@ the loss module's forward under bf16 autocast, backward, global-norm clipping, A
 On CUDA the loss module is torch.compile'd, by default with CUDA graphs ('reduce-overhead'): the compiled
 step otherwise spends ~20 ms per step launching kernels from Python, which bounded it at 32 ms per step at
 batch 1024 on an H200 (11.6 ms with CUDA graphs). If compiling or the first steps fail, the learner falls
-back to the plain compile mode, then to eager, and logs why. Nothing in the update waits for the device:
+back to the plain compile mode, then to eager, and logs why (compiler errors only: an OOM or an error in
+the loss propagates). Nothing in the update waits for the device:
 metrics are summed on the device and read once per `train` call, priorities go back through
 `PriorityOutbox`, and batches arrive through `Prefetcher` (learner/prefetch.py), so sampling, gathering and
 the copy overlap the update.
@@ -21,6 +22,7 @@ import inspect
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,23 @@ def resolve_device(name: str) -> torch.device:
 
 def log(message: str) -> None:
     print(f"rayzero: learner: {message}", file=sys.stderr, flush=True)
+
+
+_COMPILER_DIRS = tuple(str(Path(torch.__file__).parent / part) for part in ("_dynamo", "_inductor", "cuda/graphs.py"))
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """Whether a failure of a compiled step is the compiler's (worth a plainer mode): one of torch.compile's
+    exception types, or raised from inside dynamo, inductor or CUDA-graph capture. Out-of-memory errors and
+    errors raised by the loss code itself are not."""
+    import torch._dynamo.exc
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_COMPILER_DIRS)
 
 
 class Learner:
@@ -235,8 +254,10 @@ class Learner:
                 break
             try:
                 loss, stats, priorities = self._loss_and_backward(tensors)
-            except Exception as error:  # noqa: BLE001 - any compiler failure: the next mode, at last eager
+            except Exception as error:
                 self.optimizer.zero_grad(set_to_none=True)
+                if not is_compile_error(error):  # an OOM or a bug in the loss: eager would not help
+                    raise
                 log(f"torch.compile ({self.compile_state.split(':')[-1]}) failed ({type(error).__name__}: "
                     f"{str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}); "
                     f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}")
