@@ -135,6 +135,46 @@ def test_commit_is_atomic_and_prunes(tmp_path):
     assert ckpt.latest(tmp_path).name == "step_00000004"
 
 
+def _three_checkpoints(tmp_path):
+    learner = Learner(MODEL, LEARNER, (4,), 2)
+    paths = []
+    for step in range(3):
+        staging = ckpt.staging_dir(tmp_path, step)
+        learner.save(str(staging))
+        (staging / "replay.npz").write_bytes(b"replay" * 100)
+        paths.append(ckpt.commit(tmp_path, staging, step, {"learner_steps": step, "env_steps": 10 * step}))
+    return paths
+
+
+def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    from rayzero.train import check_resumable
+
+    paths = _three_checkpoints(tmp_path)
+    assert (paths[-1] / ckpt.CHECKSUMS).exists() and ckpt.latest(tmp_path) == paths[-1]
+    optimizer = paths[-1] / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # half-written
+    assert ckpt.latest(tmp_path) == paths[-2]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "optimizer.pt" in lines[0] and str(paths[-2]) in lines[0], lines
+    checkpoint, state = check_resumable(tmp_path)
+    assert checkpoint == paths[-2] and state["env_steps"] == 10
+    Learner(MODEL, LEARNER, (4,), 2).load(str(checkpoint))
+    # A missing file counts too; a checkpoint dir named directly is checked without a fallback.
+    (paths[-2] / "replay.npz").unlink()
+    assert ckpt.latest(tmp_path) == paths[0]
+    with pytest.raises(CheckpointError, match="optimizer.pt is corrupt"):
+        ckpt.latest(paths[-1])
+
+
+def test_all_checkpoints_corrupt_is_a_clear_error(tmp_path):
+    paths = _three_checkpoints(tmp_path)
+    for path in paths:
+        (path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="no valid checkpoint") as error:
+        ckpt.latest(tmp_path)
+    assert str(error.value).count("model.safetensors is corrupt") == 3
+
+
 # -- targets, options and the data path ------------------------------------------------------------------
 
 def image_segments(seed=0, count=6, length=20, shape=(3, 16, 16), num_actions=3):
