@@ -20,6 +20,7 @@ import copy
 import gc
 import inspect
 import math
+import pickle
 import sys
 import time
 import traceback
@@ -524,6 +525,9 @@ class Learner:
             extra_path = path / EXTRA_FILE
             extra = load_file(str(extra_path), device=str(self.device)) if extra_path.exists() else {}
             other = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError as error:  # a pickle of anything but tensors and plain containers
+            raise CheckpointError(f"checkpoint {str(path)!r}: optimizer.pt refused, it is not a weights-only torch "
+                                  f"file ({str(error).splitlines()[0]})") from None
         except (OSError, SafetensorError, RuntimeError, EOFError, ValueError) as error:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {error}") from None
         self.model.load_state_dict(state)
