@@ -1,9 +1,12 @@
-"""Security: checkpoints never unpickle code, shared memory is owner-only and goes with its owner."""
+"""Security: checkpoints never unpickle code, shared memory is owner-only and goes with its owner, a local Ray
+keeps token auth and serves no unauthenticated API."""
 
 import builtins
 import json
 import os
 import stat
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -78,3 +81,57 @@ def test_shared_memory_is_owner_only_and_goes_with_its_owner():
     del server_channel, made
     for path in [*paths.values(), *channel_paths.values()]:
         assert not os.path.exists(path)  # the descriptors closed with their owner
+
+
+def _listeners(node) -> set[tuple[str, int]]:
+    """(host, port) of every TCP socket that the processes of this Ray session listen on."""
+    import psutil
+
+    roots = [info.process.pid for infos in node.all_processes.values() for info in infos]
+    procs = {p.pid: p for pid in roots for p in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True))}
+    out = set()
+    for proc in procs.values():
+        for conn in proc.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                host = conn.laddr.ip if conn.laddr.ip not in ("0.0.0.0", "::") else "127.0.0.1"
+                out.add((host, conn.laddr.port))
+    return out
+
+
+def _http_statuses(listeners) -> dict[tuple[str, int], int]:
+    """The HTTP status of a plain GET / (no token) on each listener that answers HTTP (gRPC ones do not)."""
+    import http.client
+
+    statuses = {}
+    for host, port in listeners:
+        try:
+            statuses[(host, port)] = urllib.request.urlopen(f"http://{host}:{port}/", timeout=2).status
+        except urllib.error.HTTPError as error:
+            statuses[(host, port)] = error.code
+        except (urllib.error.URLError, http.client.HTTPException, OSError):
+            continue
+    return statuses
+
+
+def test_a_local_ray_start_keeps_token_auth_and_no_api_without_it(monkeypatch):
+    import ray
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    from rayzero.cluster import connect
+    from rayzero.config import ClusterConfig
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    try:
+        assert connect(ClusterConfig(num_cpus=1)) == "local"
+        assert is_token_auth_enabled() and os.environ["RAY_AUTH_MODE"] == "token"
+        node = ray._private.worker._global_node
+        assert not node.address_info.get("webui_url")  # no dashboard, so no job API
+        statuses = _http_statuses(_listeners(node))
+        # What speaks HTTP asks for the token, except the read-only Prometheus metrics of the node agent (Ray binds
+        # it to every interface and ray.init has no option to move it).
+        metrics = node.address_info["metrics_export_port"]
+        assert statuses and {s for (_, port), s in statuses.items() if port != metrics} <= {401}, statuses
+    finally:
+        ray.shutdown()
