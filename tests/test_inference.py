@@ -104,6 +104,43 @@ def test_bad_requests_fail_alone():
     assert srv.stats()["errors"] == 4
 
 
+def test_more_bad_requests_fail_alone_and_the_server_serves_on():
+    """Each gives an InferenceError naming the problem, good requests batched with them are answered, and the
+    server serves afterwards: inf, dtypes that are no numbers, a ragged obs, actions out of range, handles out
+    of the pool, a client name that is not a str (it used to fail the whole batch it was in)."""
+    srv = server(latent_pool_size=32)
+    good = np.zeros((2, 4), dtype=np.float32)
+
+    async def go():
+        root = await srv.initial("c", good)
+        results = await asyncio.gather(
+            srv.initial("ok", good),
+            srv.initial("inf", np.full((2, 4), -np.inf)),
+            srv.initial("str", np.full((2, 4), "a")),
+            srv.initial("complex", np.zeros((2, 4), np.complex64)),
+            srv.initial("ragged", [[1.0, 2.0, 3.0, 4.0], [1.0]]),
+            srv.initial(["not", "a", "name"], good),
+            srv.recurrent("c", root["handles"], np.array([0, 3])),
+            srv.recurrent("c", root["handles"], np.array([-1, 0])),
+            srv.recurrent("c", np.array([-1, 0]), np.array([0, 0])),
+            srv.recurrent("c", np.array([10**12, 0]), np.array([0, 0])),
+            srv.search("s", good, np.zeros((2, 3), np.int64)),
+            return_exceptions=True,
+        )
+        after = await srv.recurrent("c", root["handles"], np.array([2, 1]))
+        return results, after
+
+    results, after = asyncio.run(go())
+    assert isinstance(results[0], dict) and results[0]["handles"].shape == (2,)
+    needles = ["NaN or inf", "dtype <U1", "dtype complex64", "not an array", "client must be a str",
+               r"actions must be in [0, 3)", r"actions must be in [0, 3)", "out of range", "out of range",
+               "invalid_actions must be bool"]
+    for error, needle in zip(results[1:], needles):
+        assert isinstance(error, InferenceError) and needle in str(error), (needle, error)
+    assert after["handles"].shape == (2,) and np.isfinite(after["value"]).all()
+    assert srv.stats()["errors"] == len(needles)
+
+
 def test_release_and_pool_exhaustion():
     srv = server(latent_pool_size=6)
 

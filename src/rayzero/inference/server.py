@@ -141,6 +141,7 @@ class InferenceServer:
 
     async def initial(self, client: str, obs: np.ndarray) -> dict[str, np.ndarray]:
         """obs [B, *obs_shape] -> {handles [B], value [B], reward [B], policy_logits [B, A], version}."""
+        self._checked(self._check_client, "initial", client)
         obs = self._checked(self._check_obs, "initial", obs)
         if len(obs) == 0:
             return self._empty(handles=True)
@@ -152,6 +153,7 @@ class InferenceServer:
 
         store=False: the next latents are not kept (handles come back as -1), for leaves never expanded.
         """
+        self._checked(self._check_client, "recurrent", client)
         payload = self._checked(self._check_recurrent, handles, actions)
         if len(payload[0]) == 0:
             return self._empty(handles=True)
@@ -165,6 +167,7 @@ class InferenceServer:
         combination captures its CUDA graphs on first use. Returns action [B] int64, action_weights [B, A],
         visit_counts [B, A] int64, root_value [B], version.
         """
+        self._checked(self._check_client, "search", client)
         obs = self._checked(self._check_obs, "search", obs)
         mask = self._checked(self._check_mask, invalid_actions, len(obs))
         try:
@@ -326,8 +329,22 @@ class InferenceServer:
             out["handles"] = np.zeros(0, np.int64)
         return out
 
+    @staticmethod
+    def _check_client(kind: str, client: str) -> None:
+        # Checked up front: a client name that breaks the pool's bookkeeping would fail its whole batch.
+        if not isinstance(client, str):
+            raise InferenceError(f"{kind}: client must be a str (the name its latent slots are kept under), "
+                                 f"got {type(client).__name__}")
+
+    @staticmethod
+    def _array(kind: str, name: str, value: Any) -> np.ndarray:
+        try:
+            return np.asarray(value)
+        except (ValueError, TypeError) as error:  # e.g. ragged nested lists
+            raise InferenceError(f"{kind}: {name} is not an array: {error}") from None
+
     def _check_obs(self, kind: str, obs: np.ndarray) -> np.ndarray:
-        obs = np.asarray(obs)
+        obs = self._array(kind, "obs", obs)
         if obs.ndim != len(self.obs_shape) + 1 or tuple(obs.shape[1:]) != self.obs_shape:
             raise InferenceError(f"{kind}: obs shape {obs.shape} must be [B, {', '.join(map(str, self.obs_shape))}]")
         if obs.dtype.kind not in "biuf" or not np.can_cast(obs.dtype, self.obs_dtype, casting="same_kind"):
@@ -343,7 +360,7 @@ class InferenceServer:
     def _check_mask(self, mask: np.ndarray | None, rows: int) -> np.ndarray | None:
         if mask is None:
             return None
-        mask = np.asarray(mask)
+        mask = self._array("search", "invalid_actions", mask)
         if mask.shape != (rows, self.num_actions) or mask.dtype != np.bool_:
             raise InferenceError(f"search: invalid_actions must be bool [{rows}, {self.num_actions}], got "
                                  f"{mask.dtype} {mask.shape}")
@@ -353,7 +370,7 @@ class InferenceServer:
         return mask
 
     def _check_recurrent(self, handles: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        handles, actions = np.asarray(handles), np.asarray(actions)
+        handles, actions = self._array("recurrent", "handles", handles), self._array("recurrent", "actions", actions)
         if (handles.ndim != 1 or actions.shape != handles.shape or actions.dtype.kind not in "iu"
                 or handles.dtype.kind not in "iu"):
             raise InferenceError(
