@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rayzero.config import InferenceConfig, ModelConfig
-from rayzero.inference import InferenceError, InferenceServer, bucket_ladder
+from rayzero.inference import InferenceError, InferenceOverloaded, InferenceServer, bucket_ladder
 from rayzero.models import build_model
 
 MODEL = ModelConfig(kind="mlp", latent_dim=8, hidden=16, support_size=5)
@@ -139,6 +139,63 @@ def test_more_bad_requests_fail_alone_and_the_server_serves_on():
         assert isinstance(error, InferenceError) and needle in str(error), (needle, error)
     assert after["handles"].shape == (2,) and np.isfinite(after["value"]).all()
     assert srv.stats()["errors"] == len(needles)
+
+
+def test_requests_beyond_max_queue_are_refused_as_overloaded():
+    """Backpressure: with max_queue rows waiting, a request that would pass it fails at once (not counted as a
+    bad request) and nothing else changes; one that finds the queues empty is taken whatever its size."""
+    srv = server(max_queue=8, max_wait_us=100_000)
+    obs = np.zeros((3, 4), dtype=np.float32)
+
+    async def go():
+        first = await asyncio.gather(srv.initial("a", obs), srv.initial("b", obs), srv.initial("c", obs),
+                                     return_exceptions=True)
+        big = await srv.initial("d", np.zeros((20, 4), np.float32))  # > max_queue, but alone
+        return first, big
+
+    (a, b, c), big = asyncio.run(go())
+    assert a["handles"].shape == b["handles"].shape == (3,)
+    assert isinstance(c, InferenceOverloaded) and "max_queue=8" in str(c) and isinstance(c, InferenceError)
+    assert big["handles"].shape == (20,)
+    stats = srv.stats()
+    assert stats["overloaded"] == 1 and stats["errors"] == 0 and stats["peak_queued_rows"] == 20
+    assert stats["queued_rows"] == 0
+
+
+def test_many_concurrent_clients_no_deadlock_and_a_bounded_queue():
+    """64 clients x 20 short searches (initial, then recurrent steps) against one server: every request is
+    answered; the queues never hold more than max_queue rows; refused requests are retried by the client."""
+    srv = server(max_queue=48, max_wait_us=500)
+    refused = [0]
+
+    async def call(method, *args):
+        while True:
+            try:
+                return await method(*args)
+            except InferenceOverloaded:
+                refused[0] += 1
+                await asyncio.sleep(0.001)
+
+    async def client(i: int) -> int:
+        rng = np.random.default_rng(i)
+        answered = 0
+        for _ in range(20):
+            rows = int(rng.integers(1, 5))
+            out = await call(srv.initial, f"c{i}", rng.normal(size=(rows, 4)).astype(np.float32))
+            for _ in range(2):
+                out = await call(srv.recurrent, f"c{i}", out["handles"], rng.integers(0, 3, size=rows))
+            answered += 3
+            await srv.release(f"c{i}")
+        return answered
+
+    async def go():
+        return await asyncio.wait_for(asyncio.gather(*[client(i) for i in range(64)]), 60)
+
+    answered = asyncio.run(go())
+    stats = srv.stats()
+    assert sum(answered) == 64 * 20 * 3 and stats["errors"] == 0
+    assert stats["peak_queued_rows"] <= 48 and stats["overloaded"] == refused[0] > 0
+    assert stats["free_slots"] == 65536
 
 
 def test_release_and_pool_exhaustion():

@@ -152,3 +152,15 @@ def test_a_dead_clients_channel_closes_and_its_latent_slots_are_freed(actor):
     assert after["free_slots"] == before["free_slots"] and after["gone_clients"] > during["gone_clients"]
     # The server goes on serving channel clients.
     assert ray.get(_ChannelUser.remote(actor, "next").run.remote(np.zeros((2, 4), np.float32), []))[0] == "channel"
+
+
+def test_an_overloaded_answer_keeps_its_type_through_a_channel():
+    from rayzero.inference import InferenceOverloaded, channel
+
+    made = channel.create("client", 4, 0, (4,), np.dtype(np.float32), 3)
+    assert made is not None
+    server_side, paths = made
+    server_side.fail(1, InferenceOverloaded("inference actor overloaded: retry later"))
+    assert server_side.header[channel.STATUS] == channel.OVERLOADED and server_side.header[channel.DONE] == 1
+    server_side.fail(2, InferenceError("bad"))
+    assert server_side.header[channel.STATUS] == 1

@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-steps", type=int, default=None, help="step cap per episode")
     evaluate.add_argument("overrides", nargs="*", help="section.field=value (e.g. search.num_simulations=50)")
 
-    bench = sub.add_parser("bench", help="run a benchmark (tree, inference, selfplay, learner)")
+    bench = sub.add_parser("bench", help="run a benchmark (tree, inference, selfplay, learner, learning, load)")
     bench.add_argument("name")
     bench.add_argument("--quick", action="store_true", help="smoke size that runs on a 2-core CPU")
     bench.add_argument("--json", default=None, help="write the results here")
@@ -115,7 +115,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = ("tree", "inference", "selfplay", "learner", "learning")
+    names = ("tree", "inference", "selfplay", "learner", "learning", "load")
     if args.name not in names:
         raise UsageError(f"unknown benchmark {args.name!r}: valid are {', '.join(names)}")
     try:

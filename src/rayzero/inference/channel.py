@@ -28,12 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from rayzero.inference.errors import InferenceError
+from rayzero.inference.errors import InferenceError, InferenceOverloaded
 from rayzero.replay import shared
 
 HEADER = 8
 REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED = range(HEADER)
 INITIAL, RECURRENT = 1, 2
+OVERLOADED = 2  # STATUS of a request refused by backpressure (1: any other error)
 ERROR_BYTES = 1024
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -110,7 +111,7 @@ class ServerChannel:
         buffer = self.arrays["error"]
         buffer[:] = 0
         buffer[:len(text)] = np.frombuffer(text, np.uint8)
-        self.header[STATUS] = 1
+        self.header[STATUS] = OVERLOADED if isinstance(error, InferenceOverloaded) else 1
         self.header[DONE] = seq
 
     def close(self) -> None:
@@ -286,7 +287,8 @@ class InferenceClient:
                         ray.get(self.server.get_version.remote(), timeout=60)
                         next_ping = time.monotonic() + 2.0
         if h[STATUS]:
-            raise InferenceError(bytes(a["error"]).rstrip(b"\0").decode(errors="replace"))
+            error = InferenceOverloaded if h[STATUS] == OVERLOADED else InferenceError
+            raise error(bytes(a["error"]).rstrip(b"\0").decode(errors="replace"))
         out = a["out"]
         return {"handles": a["out_handles"][:rows].copy(), "value": out[:rows, 0].copy(),
                 "reward": out[:rows, 1].copy(), "policy_logits": out[:rows, 2:].copy(), "version": int(h[VERSION])}

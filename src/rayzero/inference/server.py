@@ -16,7 +16,8 @@ queues, the batcher, the latent-pool bookkeeping (pool.py), the evaluation cache
 metrics and the trace. The device side (CUDA graphs per bucket, pinned double-buffered copies on their own
 stream, bf16 trunk with fp32 heads, whole searches as graph replays) is runner.py.
 
-Batching: requests wait in one queue per kind (a search config is its own kind). The batcher serves the
+Batching: requests wait in one queue per kind (a search config is its own kind); beyond `max_queue` rows
+queued in all, new requests fail at once with InferenceOverloaded (backpressure: clients retry later). The batcher serves the
 kind whose oldest request is oldest and waits until M rows are queued or the oldest request has waited
 `max_wait_us`; with a batch in flight it stops waiting earlier, at 3/4 of that batch's expected device time
 (the mean of its bucket so far). GPU work runs on one dedicated thread: each step launches batch k+1 and
@@ -45,7 +46,7 @@ import torch
 from rayzero.config import InferenceConfig, ModelConfig
 from rayzero.inference import channel as channels
 from rayzero.inference.cache import EvalCache, row_key
-from rayzero.inference.errors import InferenceError
+from rayzero.inference.errors import InferenceError, InferenceOverloaded
 from rayzero.inference.pool import LatentPool
 from rayzero.inference.runner import Flight, Runner, is_cuda
 from rayzero.learner.learner import resolve_device
@@ -130,6 +131,8 @@ class InferenceServer:
         self._metrics_lock = threading.Lock()
         self.errors = 0
         self.requests = 0
+        self.overloaded = 0  # requests refused by backpressure (inference.max_queue)
+        self.peak_queued_rows = 0
         self._t0 = time.perf_counter()
         self._trace: list[dict[str, Any]] | None = None
         self._poller: channels.Poller | None = None
@@ -292,6 +295,8 @@ class InferenceServer:
                             "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
                             "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
         return {"version": self.version, "errors": self.errors, "requests": self.requests, "buckets": buckets,
+                "overloaded": self.overloaded, "queued_rows": sum(self._queued_rows.values()),
+                "peak_queued_rows": self.peak_queued_rows,
                 "free_slots": self.pool.free, "clients": self.pool.clients,
                 "reclaimed_clients": self.pool.reclaimed_clients, "device": str(self.device),
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
@@ -391,6 +396,12 @@ class InferenceServer:
             self._queues, self._queued_rows = {}, collections.Counter()
             self._wake = asyncio.Event()
             self.batcher = loop.create_task(self._batch_loop())
+        queued = sum(self._queued_rows.values())
+        if self.cfg.max_queue and queued and queued + rows > self.cfg.max_queue:
+            self.overloaded += 1
+            raise InferenceOverloaded(f"inference actor overloaded: {queued} rows queued, {rows} more would pass "
+                                      f"inference.max_queue={self.cfg.max_queue}; retry later")
+        self.peak_queued_rows = max(self.peak_queued_rows, queued + rows)
         future = loop.create_future()
         self._queues.setdefault(key, collections.deque()).append(
             _Request(key, client, payload, rows, future, time.perf_counter()))
