@@ -160,6 +160,7 @@ def test_requests_beyond_max_queue_are_refused_as_overloaded():
     stats = srv.stats()
     assert stats["overloaded"] == 1 and stats["errors"] == 0 and stats["peak_queued_rows"] == 20
     assert stats["queued_rows"] == 0
+    assert server().stats()["max_queue"] == 4 * 64  # the default bound: 4 x max_batch
 
 
 def test_many_concurrent_clients_no_deadlock_and_a_bounded_queue():

@@ -79,7 +79,7 @@ def run_asyncio(searches: int, max_queue: int) -> dict[str, Any]:
         return time.perf_counter() - start
 
     seconds = asyncio.run(go())
-    return _summary("asyncio", latencies, refused[0], seconds, {**srv.stats(), "max_queue": max_queue})
+    return _summary("asyncio", latencies, refused[0], seconds, srv.stats())
 
 
 def run_ray(searches: int, max_queue: int) -> dict[str, Any]:
@@ -124,8 +124,7 @@ def run_ray(searches: int, max_queue: int) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     stats = ray.get(actor.stats.remote())
     ray.kill(actor)
-    return _summary("ray", [x for part in latencies for x in part], sum(refused), seconds,
-                    {**stats, "max_queue": max_queue})
+    return _summary("ray", [x for part in latencies for x in part], sum(refused), seconds, stats)
 
 
 def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:

@@ -131,6 +131,7 @@ class InferenceServer:
         self._metrics_lock = threading.Lock()
         self.errors = 0
         self.requests = 0
+        self.max_queue = cfg.max_queue or 4 * cfg.max_batch  # rows
         self.overloaded = 0  # requests refused by backpressure (inference.max_queue)
         self.peak_queued_rows = 0
         self._t0 = time.perf_counter()
@@ -296,7 +297,7 @@ class InferenceServer:
                             "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
         return {"version": self.version, "errors": self.errors, "requests": self.requests, "buckets": buckets,
                 "overloaded": self.overloaded, "queued_rows": sum(self._queued_rows.values()),
-                "peak_queued_rows": self.peak_queued_rows,
+                "peak_queued_rows": self.peak_queued_rows, "max_queue": self.max_queue,
                 "free_slots": self.pool.free, "clients": self.pool.clients,
                 "reclaimed_clients": self.pool.reclaimed_clients, "device": str(self.device),
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
@@ -397,10 +398,10 @@ class InferenceServer:
             self._wake = asyncio.Event()
             self.batcher = loop.create_task(self._batch_loop())
         queued = sum(self._queued_rows.values())
-        if self.cfg.max_queue and queued and queued + rows > self.cfg.max_queue:
+        if queued and queued + rows > self.max_queue:
             self.overloaded += 1
             raise InferenceOverloaded(f"inference actor overloaded: {queued} rows queued, {rows} more would pass "
-                                      f"inference.max_queue={self.cfg.max_queue}; retry later")
+                                      f"inference.max_queue={self.max_queue} rows; retry later")
         self.peak_queued_rows = max(self.peak_queued_rows, queued + rows)
         future = loop.create_future()
         self._queues.setdefault(key, collections.deque()).append(
