@@ -16,13 +16,13 @@ queues, the batcher, the latent-pool bookkeeping (pool.py), the evaluation cache
 metrics and the trace. The device side (CUDA graphs per bucket, pinned double-buffered copies on their own
 stream, bf16 trunk with fp32 heads, whole searches as graph replays) is runner.py.
 
-Batching: requests wait in one queue per kind (a search config is its own kind); beyond `max_queue` rows
-queued in all, new requests fail at once with InferenceOverloaded (backpressure: clients retry later). The batcher serves the
+Batching: requests wait in one queue per kind (a search config is its own kind). The batcher serves the
 kind whose oldest request is oldest and waits until M rows are queued or the oldest request has waited
 `max_wait_us`; with a batch in flight it stops waiting earlier, at 3/4 of that batch's expected device time
 (the mean of its bucket so far). GPU work runs on one dedicated thread: each step launches batch k+1 and
 then waits for batch k, so the upload and host work of k+1 overlap the device work of k (two batches in
-flight at most).
+flight at most). Backpressure: beyond `max_queue` rows queued in all, a new request fails at once with
+InferenceOverloaded (the client retries later), so queue memory stays bounded.
 
 Latents never leave the actor: initial and recurrent write them into the device pool and answer with slot
 handles; `release(client)` frees a client's slots (see pool.py for LRU and timeout reclamation).
