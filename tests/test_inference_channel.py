@@ -3,6 +3,7 @@ alone with the actor's error; oversized requests, other nodes and closed channel
 
 import os
 import time
+import types
 
 import numpy as np
 import pytest
@@ -164,3 +165,27 @@ def test_an_overloaded_answer_keeps_its_type_through_a_channel():
     assert server_side.header[channel.STATUS] == channel.OVERLOADED and server_side.header[channel.DONE] == 1
     server_side.fail(2, InferenceError("bad"))
     assert server_side.header[channel.STATUS] == 1
+
+
+def test_a_client_waits_out_an_overloaded_actor(monkeypatch):
+    """InferenceClient sends a request the actor refused as overloaded again after a pause (clients block, not
+    fail); past its timeout the error comes through."""
+    from rayzero.inference import InferenceOverloaded
+
+    answer = {"handles": np.zeros(1, np.int64)}
+    refusals = [3]
+
+    def initial(client, obs):
+        if refusals[0]:
+            refusals[0] -= 1
+            raise InferenceOverloaded("inference actor overloaded: retry later")
+        return answer
+
+    server = types.SimpleNamespace(initial=types.SimpleNamespace(remote=initial))
+    monkeypatch.setattr(ray, "get", lambda value, **kwargs: value)
+    client = InferenceClient(server, "c", max_rows=4, channel=False)
+    assert client.initial(np.zeros((1, 4), np.float32)) is answer and refusals[0] == 0
+    refusals[0] = 10**6
+    client.timeout_s = 0.05
+    with pytest.raises(InferenceOverloaded):
+        client.initial(np.zeros((1, 4), np.float32))

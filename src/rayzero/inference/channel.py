@@ -234,6 +234,26 @@ class InferenceClient:
     # -- requests ------------------------------------------------------------------------------------------
 
     def initial(self, obs: np.ndarray) -> dict[str, Any]:
+        return self._patient(self._initial, obs)
+
+    def recurrent(self, handles: np.ndarray, actions: np.ndarray, store: bool = True) -> dict[str, Any]:
+        return self._patient(self._recurrent, handles, actions, store)
+
+    def _patient(self, send: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+        """Backpressure: a request the actor refused as overloaded is sent again after a pause (1 ms, doubling
+        up to 50 ms), until timeout_s; so clients block, not fail, while the actor's queues are full."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-3
+        while True:
+            try:
+                return send(*args)
+            except InferenceOverloaded:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+
+    def _initial(self, obs: np.ndarray) -> dict[str, Any]:
         obs = np.asarray(obs)
         a = self.arrays
         if a is None or "obs" not in a or obs.ndim != a["obs"].ndim or obs.shape[1:] != a["obs"].shape[1:] \
@@ -242,9 +262,9 @@ class InferenceClient:
 
             return ray.get(self.server.initial.remote(self.client_id, obs))
         a["obs"][:len(obs)] = obs
-        return self._request(INITIAL, len(obs), False, lambda: self.initial(obs))
+        return self._request(INITIAL, len(obs), False, lambda: self._initial(obs))
 
-    def recurrent(self, handles: np.ndarray, actions: np.ndarray, store: bool = True) -> dict[str, Any]:
+    def _recurrent(self, handles: np.ndarray, actions: np.ndarray, store: bool = True) -> dict[str, Any]:
         handles, actions = np.asarray(handles), np.asarray(actions)
         a = self.arrays
         if a is None or handles.ndim != 1 or actions.shape != handles.shape or handles.dtype.kind not in "iu" \
@@ -255,7 +275,7 @@ class InferenceClient:
         n = len(handles)
         a["handles"][:n] = handles
         a["actions"][:n] = actions
-        return self._request(RECURRENT, n, store, lambda: self.recurrent(handles, actions, store))
+        return self._request(RECURRENT, n, store, lambda: self._recurrent(handles, actions, store))
 
     def _request(self, kind: int, rows: int, store: bool, again: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         a = self.arrays
