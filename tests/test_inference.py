@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import threading
+import time
 import types
 
 import numpy as np
@@ -352,6 +353,26 @@ def test_requests_are_served_while_a_slow_weight_swap_is_in_progress():
     during, stats, after = asyncio.run(go())
     assert [d["version"] for d in during] == [0] * 5 and stats["version"] == 0
     assert after["version"] == 1
+
+
+def test_weight_swaps_sent_together_land_in_call_order():
+    srv = server()
+    stage = srv.runner.stage_weights
+
+    def slow_stage(state_dict):
+        time.sleep(0.01)
+        return stage(state_dict)
+
+    srv.runner.stage_weights = slow_stage
+    states = {v: {k: t + v for k, t in srv.model.state_dict().items()} for v in range(1, 9)}
+
+    async def go():
+        await asyncio.gather(*[srv.set_weights(v, states[v]) for v in states])
+        return await srv.initial("c", np.ones((1, 4), np.float32))
+
+    assert asyncio.run(go())["version"] == 8 and srv.get_version() == 8
+    for name, tensor in srv.model.state_dict().items():
+        torch.testing.assert_close(tensor, states[8][name])
 
 
 def test_stats_while_the_gpu_thread_adds_buckets():

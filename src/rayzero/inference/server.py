@@ -137,7 +137,7 @@ class InferenceServer:
         self._t0 = time.perf_counter()
         self._trace: list[dict[str, Any]] | None = None
         self._poller: channels.Poller | None = None
-        self._swap_lock = threading.Lock()
+        self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference-weights")
         self.gone_clients = 0  # channel clients whose process ended (their latent slots were freed)
         self._channel_loop: asyncio.AbstractEventLoop | None = None
 
@@ -261,15 +261,14 @@ class InferenceServer:
 
         Batches launched before the swap are computed with the old weights, later ones with the new; every
         answer carries the version it was computed with. The evaluation cache is cleared. The event loop keeps
-        serving meanwhile: a helper thread checks and stages the weights (the slow, host-side part), then the
-        GPU thread copies them in between two batches.
+        serving meanwhile: a staging thread checks and stages the weights (the slow, host-side part), then the
+        GPU thread copies them in between two batches. Swaps land in the order of the calls.
         """
-        def swap() -> None:  # helper thread; one swap at a time, as they share the staging buffers
-            with self._swap_lock:
-                staged = self.runner.stage_weights(state_dict)
-                self.gpu.submit(self._apply_weights, version, staged).result()
+        def swap() -> None:  # the staging thread: swaps in call order, one at a time (they share the buffers)
+            staged = self.runner.stage_weights(state_dict)
+            self.gpu.submit(self._apply_weights, version, staged).result()
 
-        await asyncio.get_running_loop().run_in_executor(None, swap)
+        await asyncio.wrap_future(self._stager.submit(swap))
         return version
 
     def _apply_weights(self, version: int, staged: dict[str, torch.Tensor]) -> None:
