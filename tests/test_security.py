@@ -137,3 +137,28 @@ def test_a_local_ray_start_keeps_token_auth_and_no_api_without_it(monkeypatch):
         assert answers and set(answers.values()) <= {401, "metrics"}, answers
     finally:
         ray.shutdown()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_shared_memory_of_a_killed_owner_is_gone():
+    """SIGKILL runs no exit handler: the names were unlinked at creation, so nothing is left in /dev/shm."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time, numpy as np\n"
+            "from rayzero.replay import shared\n"
+            "class Owner: pass\n"
+            "owner = Owner()\n"
+            "arrays, paths = shared.create(owner, {'obs': ((1024, 1024), np.dtype(np.uint8))})\n"
+            "print(paths['obs'], flush=True)\n"
+            "time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        path = child.stdout.readline().strip()
+        assert path.startswith(f"/proc/{child.pid}/fd/") and _mode(path) == 0o600
+        assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"rayzero-{child.pid}-")]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert not os.path.exists(path)
