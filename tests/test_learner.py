@@ -175,6 +175,38 @@ def test_all_checkpoints_corrupt_is_a_clear_error(tmp_path):
     assert str(error.value).count("model.safetensors is corrupt") == 3
 
 
+def test_a_full_disk_during_a_commit_keeps_the_previous_checkpoint(tmp_path):
+    """A file-size limit (as a full disk) fails the commit of step 1 with a CheckpointError that says why; its
+    partial files are gone and step 0 stays the valid latest checkpoint."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal
+from rayzero.config import LearnerConfig, ModelConfig
+from rayzero.learner import Learner, checkpoint as ckpt
+learner = Learner(ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=10),
+                  LearnerConfig(batch_size=32, device="cpu"), (4,), 2)
+for step in (0, 1):
+    staging = ckpt.staging_dir({str(tmp_path)!r}, step)
+    learner.save(str(staging))
+    if step == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        ckpt.commit({str(tmp_path)!r}, staging, step, {{"learner_steps": step, "env_steps": 0}})
+    except ckpt.CheckpointError as error:
+        print(error)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "could not write checkpoint" in out.stdout and "File too large" in out.stdout, out.stdout
+    assert "the previous checkpoint stays valid" in out.stdout
+    assert ckpt.latest(tmp_path).name == "step_00000000"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000000"]
+    Learner(MODEL, LEARNER, (4,), 2).load(str(ckpt.latest(tmp_path)))
+
+
 # -- targets, options and the data path ------------------------------------------------------------------
 
 def image_segments(seed=0, count=6, length=20, shape=(3, 16, 16), num_actions=3):

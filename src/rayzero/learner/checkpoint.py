@@ -57,23 +57,32 @@ def commit(run_dir: str | os.PathLike, staging: Path, step: int, state: dict, ke
     """Write state.json and checksums.json, fsync, rename staging into place, point `latest` at it, prune old
     ones."""
     root = Path(run_dir) / CHECKPOINTS
-    with open(staging / "state.json", "w") as f:
-        json.dump(state, f, indent=2)
-    sums = {child.name: _sha256(child) for child in sorted(staging.iterdir())
-            if child.is_file() and child.name != CHECKSUMS}
-    (staging / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=2))
-    for child in staging.iterdir():
-        if child.is_file():
-            with open(child, "rb") as f:
-                os.fsync(f.fileno())
     final = root / f"step_{step:08d}"
+    try:
+        with open(staging / "state.json", "w") as f:
+            json.dump(state, f, indent=2)
+        sums = {child.name: _sha256(child) for child in sorted(staging.iterdir())
+                if child.is_file() and child.name != CHECKSUMS}
+        (staging / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=2))
+        for child in staging.iterdir():
+            if child.is_file():
+                with open(child, "rb") as f:
+                    os.fsync(f.fileno())
+    except OSError as error:  # e.g. the disk is full: drop the partial checkpoint, keep the previous one
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {str(final)!r} ({error}); the previous checkpoint "
+                              "stays valid") from None
     if final.exists():
         shutil.rmtree(final)
     os.rename(staging, final)
-    tmp_latest = root / (LATEST + ".tmp")
-    tmp_latest.write_text(final.name + "\n")
-    os.replace(tmp_latest, root / LATEST)
-    _fsync_dir(root)
+    try:
+        tmp_latest = root / (LATEST + ".tmp")
+        tmp_latest.write_text(final.name + "\n")
+        os.replace(tmp_latest, root / LATEST)
+        _fsync_dir(root)
+    except OSError as error:  # `latest` still names the previous checkpoint, which is still valid
+        raise CheckpointError(f"could not point {str(root / LATEST)!r} at {final.name} ({error}); the previous "
+                              "checkpoint stays the latest") from None
     complete = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
