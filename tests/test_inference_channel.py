@@ -189,3 +189,21 @@ def test_a_client_waits_out_an_overloaded_actor(monkeypatch):
     client.timeout_s = 0.05
     with pytest.raises(InferenceOverloaded):
         client.initial(np.zeros((1, 4), np.float32))
+
+
+def test_overloaded_crosses_ray_as_its_type(actor):
+    """Through Ray calls a refused request raises InferenceOverloaded (what clients catch to retry)."""
+    from rayzero.inference import InferenceOverloaded
+
+    cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=200_000, max_queue=4)
+    small = ray.remote(InferenceServer).options(max_concurrency=100).remote(MODEL, cfg, (4,), 3, 0)
+    refs = [small.initial.remote(f"c{i}", np.zeros((2, 4), np.float32)) for i in range(6)]
+    outcomes = []
+    for ref in refs:
+        try:
+            outcomes.append(ray.get(ref)["handles"].shape)
+        except InferenceOverloaded as error:
+            outcomes.append("overloaded" if "max_queue=4" in str(error) else error)
+    assert outcomes.count((2,)) >= 2 and outcomes.count("overloaded") >= 1, outcomes
+    assert set(outcomes) <= {(2,), "overloaded"}, outcomes
+    ray.kill(small)
