@@ -91,7 +91,8 @@ def log(message: str) -> None:
     print(f"rayzero: learner: {message}", file=sys.stderr, flush=True)
 
 
-_COMPILER_DIRS = tuple(str(Path(torch.__file__).parent / part) for part in ("_dynamo", "_inductor", "cuda/graphs.py"))
+_COMPILER_DIRS = tuple(str(Path(torch.__file__).parent / part)
+                       for part in ("_dynamo", "_inductor", "cuda/graphs.py"))
 
 
 def is_compile_error(error: BaseException) -> bool:
