@@ -2,13 +2,16 @@
 
 import asyncio
 import dataclasses
+import threading
+import time
+import types
 
 import numpy as np
 import pytest
 import torch
 
 from rayzero.config import InferenceConfig, ModelConfig
-from rayzero.inference import InferenceError, InferenceServer, bucket_ladder
+from rayzero.inference import InferenceError, InferenceOverloaded, InferenceServer, bucket_ladder
 from rayzero.models import build_model
 
 MODEL = ModelConfig(kind="mlp", latent_dim=8, hidden=16, support_size=5)
@@ -58,7 +61,7 @@ def test_value_prefix_model_served_through_latent_handles():
     srv = InferenceServer(prefix_model, InferenceConfig(device="cpu", max_batch=16, min_bucket=4), (4,), 3, seed=0)
     state = {k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v
              for k, v in srv.model.state_dict().items()}  # non-zero heads, so rewards are not all 0
-    srv.set_weights(1, state)
+    asyncio.run(srv.set_weights(1, state))
     obs = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
     actions = [np.array([0, 1, 2, 1, 0]), np.array([2, 2, 1, 0, 1])]
 
@@ -102,6 +105,101 @@ def test_bad_requests_fail_alone():
     assert srv.stats()["errors"] == 4
 
 
+def test_more_bad_requests_fail_alone_and_the_server_serves_on():
+    """Each gives an InferenceError naming the problem, good requests batched with them are answered, and the
+    server serves afterwards: inf, dtypes that are no numbers, a ragged obs, actions out of range, handles out
+    of the pool, a client name that is not a str (it used to fail the whole batch it was in)."""
+    srv = server(latent_pool_size=32)
+    good = np.zeros((2, 4), dtype=np.float32)
+
+    async def go():
+        root = await srv.initial("c", good)
+        results = await asyncio.gather(
+            srv.initial("ok", good),
+            srv.initial("inf", np.full((2, 4), -np.inf)),
+            srv.initial("str", np.full((2, 4), "a")),
+            srv.initial("complex", np.zeros((2, 4), np.complex64)),
+            srv.initial("ragged", [[1.0, 2.0, 3.0, 4.0], [1.0]]),
+            srv.initial(["not", "a", "name"], good),
+            srv.recurrent("c", root["handles"], np.array([0, 3])),
+            srv.recurrent("c", root["handles"], np.array([-1, 0])),
+            srv.recurrent("c", np.array([-1, 0]), np.array([0, 0])),
+            srv.recurrent("c", np.array([10**12, 0]), np.array([0, 0])),
+            srv.search("s", good, np.zeros((2, 3), np.int64)),
+            return_exceptions=True,
+        )
+        after = await srv.recurrent("c", root["handles"], np.array([2, 1]))
+        return results, after
+
+    results, after = asyncio.run(go())
+    assert isinstance(results[0], dict) and results[0]["handles"].shape == (2,)
+    needles = ["NaN or inf", "dtype <U1", "dtype complex64", "not an array", "client must be a str",
+               r"actions must be in [0, 3)", r"actions must be in [0, 3)", "out of range", "out of range",
+               "invalid_actions must be bool"]
+    for error, needle in zip(results[1:], needles):
+        assert isinstance(error, InferenceError) and needle in str(error), (needle, error)
+    assert after["handles"].shape == (2,) and np.isfinite(after["value"]).all()
+    assert srv.stats()["errors"] == len(needles)
+
+
+def test_requests_beyond_max_queue_are_refused_as_overloaded():
+    """Backpressure: with max_queue rows waiting, a request that would pass it fails at once (not counted as a
+    bad request) and nothing else changes; one that finds the queues empty is taken whatever its size."""
+    srv = server(max_queue=8, max_wait_us=100_000)
+    obs = np.zeros((3, 4), dtype=np.float32)
+
+    async def go():
+        first = await asyncio.gather(srv.initial("a", obs), srv.initial("b", obs), srv.initial("c", obs),
+                                     return_exceptions=True)
+        big = await srv.initial("d", np.zeros((20, 4), np.float32))  # > max_queue, but alone
+        return first, big
+
+    (a, b, c), big = asyncio.run(go())
+    assert a["handles"].shape == b["handles"].shape == (3,)
+    assert isinstance(c, InferenceOverloaded) and "max_queue=8" in str(c) and isinstance(c, InferenceError)
+    assert big["handles"].shape == (20,)
+    stats = srv.stats()
+    assert stats["overloaded"] == 1 and stats["errors"] == 0 and stats["peak_queued_rows"] == 20
+    assert stats["queued_rows"] == 0
+    assert server().stats()["max_queue"] == 4 * 64  # the default bound: 4 x max_batch
+
+
+def test_many_concurrent_clients_no_deadlock_and_a_bounded_queue():
+    """64 clients x 20 short searches (initial, then recurrent steps) against one server: every request is
+    answered; the queues never hold more than max_queue rows; refused requests are retried by the client."""
+    srv = server(max_queue=48, max_wait_us=500)
+    refused = [0]
+
+    async def call(method, *args):
+        while True:
+            try:
+                return await method(*args)
+            except InferenceOverloaded:
+                refused[0] += 1
+                await asyncio.sleep(0.001)
+
+    async def client(i: int) -> int:
+        rng = np.random.default_rng(i)
+        answered = 0
+        for _ in range(20):
+            rows = int(rng.integers(1, 5))
+            out = await call(srv.initial, f"c{i}", rng.normal(size=(rows, 4)).astype(np.float32))
+            for _ in range(2):
+                out = await call(srv.recurrent, f"c{i}", out["handles"], rng.integers(0, 3, size=rows))
+            answered += 3
+            await srv.release(f"c{i}")
+        return answered
+
+    async def go():
+        return await asyncio.wait_for(asyncio.gather(*[client(i) for i in range(64)]), 60)
+
+    answered = asyncio.run(go())
+    stats = srv.stats()
+    assert sum(answered) == 64 * 20 * 3 and stats["errors"] == 0
+    assert stats["peak_queued_rows"] <= 48 and stats["overloaded"] == refused[0] > 0
+    assert stats["free_slots"] == 65536
+
+
 def test_release_and_pool_exhaustion():
     srv = server(latent_pool_size=6)
 
@@ -123,7 +221,7 @@ def test_weight_swap_changes_outputs_and_version():
     obs = np.ones((3, 4), dtype=np.float32)
     before = asyncio.run(srv.initial("c", obs))
     state = {k: v + 0.1 for k, v in srv.model.state_dict().items()}
-    assert srv.set_weights(7, state) == 7 and srv.get_version() == 7
+    assert asyncio.run(srv.set_weights(7, state)) == 7 and srv.get_version() == 7
     after = asyncio.run(srv.initial("c", obs))
     assert not np.allclose(before["policy_logits"], after["policy_logits"])
     with torch.no_grad():
@@ -191,7 +289,7 @@ def test_weight_swap_while_serving_no_request_fails_and_versions_match():
         tasks = [asyncio.create_task(client(f"c{i}", stop, seen)) for i in range(6)]
         while len(seen) < 20:
             await asyncio.sleep(0.001)
-        await asyncio.get_running_loop().run_in_executor(None, srv.set_weights, 3, new)
+        await srv.set_weights(3, new)
         count = len(seen)
         while len(seen) < count + 20:
             await asyncio.sleep(0.001)
@@ -219,11 +317,84 @@ def test_set_weights_rejects_a_wrong_state_dict_and_keeps_serving():
     srv = server()
     bad = {k: torch.zeros(1) for k in srv.model.state_dict()}
     with pytest.raises(InferenceError, match="shape"):
-        srv.set_weights(1, bad)
+        asyncio.run(srv.set_weights(1, bad))
     with pytest.raises(InferenceError, match="lacks"):
-        srv.set_weights(1, {})
+        asyncio.run(srv.set_weights(1, {}))
     assert srv.get_version() == 0
     assert asyncio.run(srv.initial("c", np.zeros((1, 4), np.float32)))["version"] == 0
+
+
+def test_requests_are_served_while_a_slow_weight_swap_is_in_progress():
+    """set_weights waits off the event loop: requests sent during a slow swap are answered (old version)
+    before it ends, and later ones get the new version."""
+    srv = server()
+    obs = np.ones((2, 4), dtype=np.float32)
+    staging, release = threading.Event(), threading.Event()
+    stage = srv.runner.stage_weights
+
+    def slow_stage(state_dict):
+        staging.set()
+        release.wait(10)
+        return stage(state_dict)
+
+    srv.runner.stage_weights = slow_stage
+
+    async def go():
+        swap = asyncio.create_task(srv.set_weights(1, {k: v + 0.1 for k, v in srv.model.state_dict().items()}))
+        await asyncio.get_running_loop().run_in_executor(None, staging.wait, 10)
+        during = [await asyncio.wait_for(srv.initial("c", obs), 5) for _ in range(5)]
+        stats = srv.stats()
+        assert not swap.done()
+        release.set()
+        assert await swap == 1
+        return during, stats, await srv.initial("c", obs)
+
+    during, stats, after = asyncio.run(go())
+    assert [d["version"] for d in during] == [0] * 5 and stats["version"] == 0
+    assert after["version"] == 1
+
+
+def test_weight_swaps_sent_together_land_in_call_order():
+    srv = server()
+    stage = srv.runner.stage_weights
+
+    def slow_stage(state_dict):
+        time.sleep(0.01)
+        return stage(state_dict)
+
+    srv.runner.stage_weights = slow_stage
+    states = {v: {k: t + v for k, t in srv.model.state_dict().items()} for v in range(1, 9)}
+
+    async def go():
+        await asyncio.gather(*[srv.set_weights(v, states[v]) for v in states])
+        return await srv.initial("c", np.ones((1, 4), np.float32))
+
+    assert asyncio.run(go())["version"] == 8 and srv.get_version() == 8
+    for name, tensor in srv.model.state_dict().items():
+        torch.testing.assert_close(tensor, states[8][name])
+
+
+def test_stats_while_the_gpu_thread_adds_buckets():
+    """stats() (event loop) reads the metrics while the GPU thread records batches of new buckets."""
+    srv = server()
+
+    def record() -> None:
+        for bucket in range(1, 20001):
+            flight = types.SimpleNamespace(bucket=bucket, rows=1, graph=False, gpu_s=0.0)
+            srv._record(types.SimpleNamespace(kind="initial", flight=flight, launched=0.0, host_s=0.0,
+                                              requests=[types.SimpleNamespace(submitted=0.0)]))
+        done.set()
+
+    done = threading.Event()
+    writer = threading.Thread(target=record)
+    writer.start()
+    try:
+        while not done.is_set():
+            srv.stats()
+    finally:
+        writer.join()
+    buckets = srv.stats()["buckets"]
+    assert len(buckets) == 20000 and all(b["count"] == 1 for b in buckets.values())
 
 
 def _precision_errors(model, obs, actions) -> dict[bool, dict[str, float]]:
@@ -321,7 +492,7 @@ def test_evaluation_cache_hits_give_the_same_answers_and_valid_handles():
     cache = srv.stats()["cache"]
     assert cache["lookups"] == 7 and cache["hits"] == 2 and cache["hit_rate"] == pytest.approx(2 / 7)
     assert cache["entries"] == 4  # bounded: 5 distinct rows, 4 entries
-    srv.set_weights(1, srv.model.state_dict())
+    asyncio.run(srv.set_weights(1, srv.model.state_dict()))
     assert srv.stats()["cache"]["entries"] == 0  # a weight update clears it
 
 
@@ -544,13 +715,61 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
     assert sum(g.replays for g in runner.graphs.values()) >= 4
     # Weights land in place: the same parameter tensors, new values, reported version.
     before = [p.data_ptr() for p in model.parameters()]
-    srv.set_weights(2, {k: v * 0.5 for k, v in model.state_dict().items()})
+    asyncio.run(srv.set_weights(2, {k: v * 0.5 for k, v in model.state_dict().items()}))
     assert [p.data_ptr() for p in model.parameters()] == before
     after = asyncio.run(srv.initial("c9", obs[0]))
     with torch.no_grad():
         np.testing.assert_allclose(after["policy_logits"], model.initial(torch.from_numpy(obs[0])).policy_logits.numpy(),
                                    rtol=1e-5, atol=1e-6)
     assert after["version"] == 2
+
+
+def test_emulated_cuda_batches_beyond_the_ladder_run_on_the_compute_stream(emulated_cuda, monkeypatch):
+    """Batches larger than the biggest bucket run eagerly, on the compute stream where weight copies are queued
+    (non-blocking), so stream order puts them after a swap; on the default stream nothing ordered the two."""
+    import contextlib
+
+    from rayzero.tree import SearchConfig
+
+    current = [None]
+
+    @contextlib.contextmanager
+    def stream(s):
+        previous, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    cfg = InferenceConfig(device="cpu", max_batch=8, min_bucket=4, bf16=False, search_max_batch=4)
+    srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=SearchConfig(num_simulations=2), discount=0.99)
+    runner = srv.runner
+    seen = []
+    def spy(name, real):
+        def run(*args):
+            seen.append((name, current[0]))
+            return real(*args)
+        return run
+
+    for name in ("_eager_initial", "_eager_recurrent", "_eager_search"):
+        setattr(runner, name, spy(name, getattr(runner, name)))
+    obs = np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32)
+
+    async def go():
+        await srv.set_weights(1, {k: v * 0.5 for k, v in srv.model.state_dict().items()})
+        root = await srv.initial("c", obs)
+        await srv.recurrent("c", root["handles"], np.zeros(12, np.int64))
+        await srv.search("c", obs[:6])
+        return root
+
+    root = asyncio.run(go())
+    assert [name for name, _ in seen] == ["_eager_initial", "_eager_recurrent", "_eager_search"]
+    assert all(s is runner.stream for _, s in seen), seen
+    with torch.no_grad():
+        np.testing.assert_allclose(root["value"], srv.model.initial(torch.from_numpy(obs)).value.numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    assert root["version"] == 1 and srv.stats()["errors"] == 0
 
 
 def test_selfplay_in_whole_search_mode_through_ray():

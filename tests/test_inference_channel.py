@@ -3,6 +3,7 @@ alone with the actor's error; oversized requests, other nodes and closed channel
 
 import os
 import time
+import types
 
 import numpy as np
 import pytest
@@ -152,3 +153,85 @@ def test_a_dead_clients_channel_closes_and_its_latent_slots_are_freed(actor):
     assert after["free_slots"] == before["free_slots"] and after["gone_clients"] > during["gone_clients"]
     # The server goes on serving channel clients.
     assert ray.get(_ChannelUser.remote(actor, "next").run.remote(np.zeros((2, 4), np.float32), []))[0] == "channel"
+
+
+def test_an_overloaded_answer_keeps_its_type_through_a_channel():
+    from rayzero.inference import InferenceOverloaded, channel
+
+    made = channel.create("client", 4, 0, (4,), np.dtype(np.float32), 3)
+    assert made is not None
+    server_side, paths = made
+    server_side.fail(1, InferenceOverloaded("inference actor overloaded: retry later"))
+    assert server_side.header[channel.STATUS] == channel.OVERLOADED and server_side.header[channel.DONE] == 1
+    server_side.fail(2, InferenceError("bad"))
+    assert server_side.header[channel.STATUS] == 1
+
+
+def test_a_client_waits_out_an_overloaded_actor(monkeypatch):
+    """InferenceClient sends a request the actor refused as overloaded again after a pause (clients block, not
+    fail); past its timeout the error comes through."""
+    from rayzero.inference import InferenceOverloaded
+
+    answer = {"handles": np.zeros(1, np.int64)}
+    refusals = [3]
+
+    def initial(client, obs):
+        if refusals[0]:
+            refusals[0] -= 1
+            raise InferenceOverloaded("inference actor overloaded: retry later")
+        return answer
+
+    server = types.SimpleNamespace(initial=types.SimpleNamespace(remote=initial))
+    monkeypatch.setattr(ray, "get", lambda value, **kwargs: value)
+    client = InferenceClient(server, "c", max_rows=4, channel=False)
+    assert client.initial(np.zeros((1, 4), np.float32)) is answer and refusals[0] == 0
+    refusals[0] = 10**6
+    client.timeout_s = 0.05
+    with pytest.raises(InferenceOverloaded):
+        client.initial(np.zeros((1, 4), np.float32))
+
+
+def test_overloaded_crosses_ray_as_its_type(actor):
+    """Through Ray calls a refused request raises InferenceOverloaded (what clients catch to retry)."""
+    from rayzero.inference import InferenceOverloaded
+
+    cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=200_000, max_queue=4)
+    small = ray.remote(InferenceServer).options(max_concurrency=100).remote(MODEL, cfg, (4,), 3, 0)
+    refs = [small.initial.remote(f"c{i}", np.zeros((2, 4), np.float32)) for i in range(6)]
+    outcomes = []
+    for ref in refs:
+        try:
+            outcomes.append(ray.get(ref)["handles"].shape)
+        except InferenceOverloaded as error:
+            outcomes.append("overloaded" if "max_queue=4" in str(error) else error)
+    assert outcomes.count((2,)) >= 2 and outcomes.count("overloaded") >= 1, outcomes
+    assert set(outcomes) <= {(2,), "overloaded"}, outcomes
+    ray.kill(small)
+
+
+def test_whole_searches_through_the_channel_equal_ray_calls_and_two_can_be_in_flight(actor):
+    from rayzero.tree import SearchConfig
+
+    cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
+    search_cfg = SearchConfig(num_simulations=8, dirichlet_fraction=0.0)  # no noise: answers are comparable
+    server = ray.remote(InferenceServer).options(max_concurrency=100).remote(
+        MODEL, cfg, (4,), 3, 0, search_cfg=search_cfg, discount=0.99)
+    obs = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
+    direct = ray.get(server.search.remote("direct", obs, temperature=0.0))
+    first, second = (InferenceClient(server, name, max_rows=5, obs_rows=5) for name in ("s0", "s1"))
+    assert first.transport == second.transport == "channel"
+    first.submit_search(obs, 0.0)
+    second.submit_search(obs[::-1].copy(), 0.0)  # both in flight at once, each on its own channel
+    with pytest.raises(InferenceError, match="already in flight"):
+        first.submit_search(obs, 0.0)
+    answer, reversed_answer = first.wait_search(), second.wait_search()
+    np.testing.assert_array_equal(answer["action"], direct["action"])
+    np.testing.assert_allclose(answer["action_weights"], direct["action_weights"], rtol=1e-6)
+    np.testing.assert_allclose(answer["root_value"], direct["root_value"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(reversed_answer["action"], direct["action"][::-1])
+    assert answer["action"].dtype == np.int64 and answer["version"] == direct["version"]
+    # The temperature travels with the request: at 1 the actions are drawn, at 0 they are the most visited.
+    np.testing.assert_array_equal(answer["action"], answer["action_weights"].argmax(1))
+    with pytest.raises(InferenceError, match="no search in flight"):
+        first.wait_search()
+    ray.kill(server)

@@ -147,7 +147,7 @@ def test_weight_swap_while_serving_on_graphs():
         tasks = [asyncio.create_task(client(f"c{i}", stop, seen)) for i in range(8)]
         while len(seen) < 40:
             await asyncio.sleep(0.001)
-        await asyncio.get_running_loop().run_in_executor(None, srv.set_weights, 5, new)
+        await srv.set_weights(5, new)
         count = len(seen)
         while len(seen) < count + 40:
             await asyncio.sleep(0.001)
@@ -167,6 +167,32 @@ def test_weight_swap_while_serving_on_graphs():
     for version, logits in seen:
         np.testing.assert_allclose(logits, expected[version], rtol=1e-4, atol=1e-4)
     assert srv.stats()["errors"] == 0
+
+
+def test_a_batch_beyond_the_ladder_right_after_a_weight_swap_uses_the_new_weights():
+    """set_weights queues its copies without blocking on the compute stream; a batch beyond the biggest bucket
+    (eager) launched right after must compute with the new weights: it runs on the same stream."""
+    srv = _server(bf16=False, search_max_batch=0, max_batch=16)
+    obs = _obs(48)
+    model = build_model(SMALL, OBS, A).cuda().eval()
+    g = torch.Generator().manual_seed(5)
+    for version in range(1, 6):
+        state = {k: v.cpu() + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.cpu()
+                 for k, v in srv.model.state_dict().items()}
+
+        async def swap_then_serve(version=version, state=state):
+            await srv.set_weights(version, state)
+            out = await srv.initial("c", obs)
+            await srv.release("c")
+            return out
+
+        out = asyncio.run(swap_then_serve())
+        model.load_state_dict(state)
+        with torch.no_grad():
+            expected = model.initial(torch.from_numpy(obs).cuda()).policy_logits.cpu().numpy()
+        assert out["version"] == version
+        np.testing.assert_allclose(out["policy_logits"], expected, rtol=1e-4, atol=1e-4)
+    assert srv.stats()["buckets"]["initial/48"]["graph"] == 0
 
 
 def test_whole_search_graphs_match_eager_search():

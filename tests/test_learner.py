@@ -135,6 +135,78 @@ def test_commit_is_atomic_and_prunes(tmp_path):
     assert ckpt.latest(tmp_path).name == "step_00000004"
 
 
+def _three_checkpoints(tmp_path):
+    learner = Learner(MODEL, LEARNER, (4,), 2)
+    paths = []
+    for step in range(3):
+        staging = ckpt.staging_dir(tmp_path, step)
+        learner.save(str(staging))
+        (staging / "replay.npz").write_bytes(b"replay" * 100)
+        paths.append(ckpt.commit(tmp_path, staging, step, {"learner_steps": step, "env_steps": 10 * step}))
+    return paths
+
+
+def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    from rayzero.train import check_resumable
+
+    paths = _three_checkpoints(tmp_path)
+    assert (paths[-1] / ckpt.CHECKSUMS).exists() and ckpt.latest(tmp_path) == paths[-1]
+    optimizer = paths[-1] / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # half-written
+    assert ckpt.latest(tmp_path) == paths[-2]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "optimizer.pt" in lines[0] and str(paths[-2]) in lines[0], lines
+    checkpoint, state = check_resumable(tmp_path)
+    assert checkpoint == paths[-2] and state["env_steps"] == 10
+    Learner(MODEL, LEARNER, (4,), 2).load(str(checkpoint))
+    # A missing file counts too; a checkpoint dir named directly is checked without a fallback.
+    (paths[-2] / "replay.npz").unlink()
+    assert ckpt.latest(tmp_path) == paths[0]
+    with pytest.raises(CheckpointError, match="optimizer.pt is corrupt"):
+        ckpt.latest(paths[-1])
+
+
+def test_all_checkpoints_corrupt_is_a_clear_error(tmp_path):
+    paths = _three_checkpoints(tmp_path)
+    for path in paths:
+        (path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="no valid checkpoint") as error:
+        ckpt.latest(tmp_path)
+    assert str(error.value).count("model.safetensors is corrupt") == 3
+
+
+def test_a_full_disk_during_a_commit_keeps_the_previous_checkpoint(tmp_path):
+    """A file-size limit (as a full disk) fails the commit of step 1 with a CheckpointError that says why; its
+    partial files are gone and step 0 stays the valid latest checkpoint."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal
+from rayzero.config import LearnerConfig, ModelConfig
+from rayzero.learner import Learner, checkpoint as ckpt
+learner = Learner(ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=10),
+                  LearnerConfig(batch_size=32, device="cpu"), (4,), 2)
+for step in (0, 1):
+    staging = ckpt.staging_dir({str(tmp_path)!r}, step)
+    learner.save(str(staging))
+    if step == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        ckpt.commit({str(tmp_path)!r}, staging, step, {{"learner_steps": step, "env_steps": 0}})
+    except ckpt.CheckpointError as error:
+        print(error)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "could not write checkpoint" in out.stdout and "File too large" in out.stdout, out.stdout
+    assert "the previous checkpoint stays valid" in out.stdout
+    assert ckpt.latest(tmp_path).name == "step_00000000"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000000"]
+    Learner(MODEL, LEARNER, (4,), 2).load(str(ckpt.latest(tmp_path)))
+
+
 # -- targets, options and the data path ------------------------------------------------------------------
 
 def image_segments(seed=0, count=6, length=20, shape=(3, 16, 16), num_actions=3):
@@ -307,7 +379,7 @@ def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):
     def fake_compile(module, mode="default", **kwargs):
         def run(*args):
             if mode not in working:
-                raise RuntimeError(f"no {mode} here")
+                raise torch._dynamo.exc.BackendCompilerFailed(run, RuntimeError(f"no {mode} here"), None)
             return module(*args)
         return run
 
@@ -323,6 +395,26 @@ def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):
     learner = Learner(MODEL, cfg, (4,), 2, seed=0)
     assert learner.step(batch)[0]["loss"] == expected[0]
     assert learner.compile_state == "failed"
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug in the loss"), torch.OutOfMemoryError("CUDA out of memory")])
+def test_errors_of_the_loss_in_the_first_compiled_steps_propagate(monkeypatch, error):
+    """Only compiler errors move to the next compile mode: an error raised by the loss code, or an OOM, in a
+    watched first step propagates at once, and the compile state stays as it was."""
+    calls = []
+
+    def fake_compile(module, mode="default", **kwargs):
+        def run(*args):
+            calls.append(mode)
+            raise error
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    cfg = LearnerConfig(**{**LEARNER.__dict__, "compile": True, "compile_mode": "reduce-overhead"})
+    learner = Learner(MODEL, cfg, (4,), 2, seed=0)
+    with pytest.raises(type(error), match=str(error)):
+        learner.step(filled_replay().sample(32))
+    assert calls == ["reduce-overhead"] and learner.compile_state == "pending:reduce-overhead"
 
 
 def test_published_weights_follow_updates_and_cross_ray_as_writable_tensors():

@@ -352,6 +352,9 @@ class InferenceConfig:
     switch_interval_us: int = 20
     """CUDA: the Python thread switch interval the actor sets (its GPU thread and its event loop share the
     GIL; with Python's default of 5000 us the GPU thread waits for it after CUDA calls); 0 = Python's."""
+    max_queue: int = 0
+    """Backpressure: most rows waiting in the actor's queues (0 = 4 x max_batch). A request that would go beyond
+    fails at once with `InferenceOverloaded` (retry later); one that finds the queues empty is always taken."""
 
     def __post_init__(self) -> None:
         _check("inference", self, [
@@ -365,6 +368,7 @@ class InferenceConfig:
             ("latent_timeout_s", self.latent_timeout_s >= 0, ">= 0 (0 = no timeout)"),
             ("cache_size", self.cache_size >= 0, ">= 0 (0 = no cache)"),
             ("switch_interval_us", self.switch_interval_us >= 0, ">= 0 (0 = Python's default)"),
+            ("max_queue", self.max_queue >= 0, ">= 0 (0 = 4 x inference.max_batch)"),
         ])
 
 

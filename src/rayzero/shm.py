@@ -1,7 +1,7 @@
 """Arrays in node-local shared memory (/dev/shm): the replay's observations and the inference channels.
 
 The replay actor creates each shared array as a `.npy` file in /dev/shm (self-describing: a learner opens it
-with the path alone), maps it, keeps a descriptor open and unlinks the name at once. Learners open it as
+with the path alone; mode 0600, so only the same user's processes can), maps it, keeps a descriptor open and unlinks the name at once. Learners open it as
 `/proc/<replay pid>/fd/<descriptor>` and map it read-only. So the memory goes back to the system when the
 replay process and the learners that mapped it are gone, however they end (Ray kills actors without running
 exit handlers). A file left by a process killed between creating and unlinking it (`rayzero-<pid>-...`) is
@@ -88,6 +88,8 @@ def create(owner: object, specs: dict[str, tuple[tuple[int, ...], np.dtype]],
     try:
         for tag, (shape, dtype) in specs.items():
             name = str(directory / f"{token}-{tag}.npy")
+            # Owner-only (0600) from the start: other users of the node can neither read nor write it.
+            os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
             names.append(name)
             arrays[tag] = np.lib.format.open_memmap(name, mode="w+", dtype=dtype, shape=shape)
             fds.append(os.open(name, os.O_RDONLY))

@@ -21,6 +21,7 @@ Run: `python -m rayzero.bench.inference [--quick] [--json PATH] [--trace FILE]` 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import os
 import subprocess
@@ -210,7 +211,8 @@ def _profile_rows(srv, kinds: list[str], buckets: list[int], budget_s: float) ->
             row: dict[str, Any] = {"kind": kind, "bucket": bucket}
             for mode in ("eager", "graph"):
                 seconds, iters = _timed(
-                    lambda n, k=kind, b=bucket, m=mode: srv.profile(k, b, n, graph=m == "graph"), budget_s)
+                    lambda n, k=kind, b=bucket, m=mode: asyncio.run(srv.profile(k, b, n, graph=m == "graph")),
+                    budget_s)
                 row[f"{mode}_ms"] = round(seconds * 1e3, 4)
                 row[f"{mode}_evals_per_s"] = round(bucket / seconds, 1)
                 row[f"{mode}_iters"] = iters
@@ -251,10 +253,10 @@ def _cpu_rows(model, obs_shape, num_actions, kinds, buckets, obs_dtype) -> list[
 
 def _energy_per_eval(monitor: GpuMonitor, srv, kind: str, bucket: int, seconds: float = 2.0) -> dict[str, Any]:
     """Joules per evaluation of back-to-back graph replays at one bucket (NVML energy counter)."""
-    per_call = srv.profile(kind, bucket, 5, graph=True)
+    per_call = asyncio.run(srv.profile(kind, bucket, 5, graph=True))
     iters = max(5, int(seconds / per_call))
     e0, t0 = monitor.energy_j(), time.monotonic()
-    per_call = srv.profile(kind, bucket, iters, graph=True)
+    per_call = asyncio.run(srv.profile(kind, bucket, iters, graph=True))
     e1, t1 = monitor.energy_j(), time.monotonic()
     out = {"kind": kind, "bucket": bucket, "evals": iters * bucket, "seconds": round(t1 - t0, 3),
            "evals_per_s": round(bucket / per_call, 1)}
@@ -521,8 +523,6 @@ def main(quick: bool = False, json_path: str | None = None, trace_path: str | No
             srv = InferenceServer(ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=10),
                                   InferenceConfig(device="cpu", max_batch=64, min_bucket=8), (4,), 2,
                                   search_cfg=SearchConfig(num_simulations=10))
-            import asyncio
-
             obs = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
             start = time.perf_counter()
             out = asyncio.run(srv.search("bench", obs))
@@ -534,7 +534,7 @@ def main(quick: bool = False, json_path: str | None = None, trace_path: str | No
         for bucket in (16, 256, 1024):
             row: dict[str, Any] = {"bucket": bucket, "num_simulations": srv.search_cfg.num_simulations}
             for mode in ("eager", "graph"):
-                seconds = srv.profile("search", bucket, 3, graph=mode == "graph")
+                seconds = asyncio.run(srv.profile("search", bucket, 3, graph=mode == "graph"))
                 row[f"{mode}_ms"] = round(seconds * 1e3, 3)
             row["speedup"] = round(row["eager_ms"] / row["graph_ms"], 2)
             row["graph_searches_per_s"] = round(bucket / row["graph_ms"] * 1e3, 1)

@@ -37,7 +37,14 @@ def connect(cfg: ClusterConfig) -> str:
         return "existing"
     # address="local": a new instance even when a `ray start` cluster runs on this machine (plain ray.init()
     # would attach to that one); joining a cluster is what RAY_ADDRESS / cluster.address are for.
-    ray.init(address="local", num_cpus=cfg.num_cpus or None, include_dashboard=False, log_to_driver=True)
+    # No dashboard, so no job API (and the host pinned to loopback should it ever be on); Ray turns token auth
+    # on for a new local instance unless RAY_AUTH_MODE says otherwise, and then every HTTP endpoint it still
+    # runs (the node agent's) and every gRPC service asks for the token.
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        print(f"rayzero: warning: RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']}: the local Ray runs without token "
+              "authentication; anyone who can reach this machine can run code on it", flush=True)
+    ray.init(address="local", num_cpus=cfg.num_cpus or None, include_dashboard=False, dashboard_host="127.0.0.1",
+             log_to_driver=True)
     return "local"
 
 

@@ -31,13 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from rayzero.inference.errors import InferenceError
 from rayzero import shm
+from rayzero.inference.errors import InferenceError, InferenceOverloaded
 
 HEADER = 8
 REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED = range(HEADER)
 INITIAL, RECURRENT, SEARCH = 1, 2, 3
 TEMPERATURE_SCALE = 1_000_000  # a search's temperature travels as an integer number of millionths
+OVERLOADED = 2  # STATUS of a request refused by backpressure (1: any other error)
 ERROR_BYTES = 1024
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -122,7 +123,7 @@ class ServerChannel:
         buffer = self.arrays["error"]
         buffer[:] = 0
         buffer[:len(text)] = np.frombuffer(text, np.uint8)
-        self.header[STATUS] = 1
+        self.header[STATUS] = OVERLOADED if isinstance(error, InferenceOverloaded) else 1
         self.header[DONE] = seq
 
     def close(self) -> None:
@@ -217,7 +218,8 @@ class InferenceClient:
         self.max_rows, self.obs_rows = int(max_rows), int(obs_rows)
         self.timeout_s = timeout_s
         self.arrays: dict[str, np.ndarray] | None = None
-        self._inflight: tuple[str, Any] | None = None  # the search submit_search sent and wait_search collects
+        self._inflight: tuple[Any, np.ndarray, float] | None = None  # (sequence or ObjectRef, obs, temperature)
+        # of the search that submit_search sent and wait_search collects
         if channel and ORDERED_STORES:
             self._open()
 
@@ -246,6 +248,26 @@ class InferenceClient:
     # -- requests ------------------------------------------------------------------------------------------
 
     def initial(self, obs: np.ndarray) -> dict[str, Any]:
+        return self._patient(self._initial, obs)
+
+    def recurrent(self, handles: np.ndarray, actions: np.ndarray, store: bool = True) -> dict[str, Any]:
+        return self._patient(self._recurrent, handles, actions, store)
+
+    def _patient(self, send: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+        """Backpressure: a request the actor refused as overloaded is sent again after a pause (1 ms, doubling
+        up to 50 ms), until timeout_s; so clients block, not fail, while the actor's queues are full."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-3
+        while True:
+            try:
+                return send(*args)
+            except InferenceOverloaded:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+
+    def _initial(self, obs: np.ndarray) -> dict[str, Any]:
         obs = np.asarray(obs)
         a = self.arrays
         if a is None or "obs" not in a or obs.ndim != a["obs"].ndim or obs.shape[1:] != a["obs"].shape[1:] \
@@ -254,9 +276,9 @@ class InferenceClient:
 
             return ray.get(self.server.initial.remote(self.client_id, obs))
         a["obs"][:len(obs)] = obs
-        return self._request(INITIAL, len(obs), False, lambda: self.initial(obs))
+        return self._request(INITIAL, len(obs), False, lambda: self._initial(obs))
 
-    def recurrent(self, handles: np.ndarray, actions: np.ndarray, store: bool = True) -> dict[str, Any]:
+    def _recurrent(self, handles: np.ndarray, actions: np.ndarray, store: bool = True) -> dict[str, Any]:
         handles, actions = np.asarray(handles), np.asarray(actions)
         a = self.arrays
         if a is None or handles.ndim != 1 or actions.shape != handles.shape or handles.dtype.kind not in "iu" \
@@ -267,7 +289,7 @@ class InferenceClient:
         n = len(handles)
         a["handles"][:n] = handles
         a["actions"][:n] = actions
-        return self._request(RECURRENT, n, store, lambda: self.recurrent(handles, actions, store))
+        return self._request(RECURRENT, n, store, lambda: self._recurrent(handles, actions, store))
 
     def search(self, obs: np.ndarray, temperature: float) -> dict[str, Any]:
         """A whole search for len(obs) roots: action [B] int64, action_weights [B, A], root_value [B], version."""
@@ -283,27 +305,39 @@ class InferenceClient:
         if a is None or a["header"][CLOSED] or "obs" not in a or obs.ndim != a["obs"].ndim \
                 or obs.shape[1:] != a["obs"].shape[1:] or obs.dtype != a["obs"].dtype \
                 or not 0 < len(obs) <= self.obs_rows or not 0 <= temperature < 1e6:
-            self._inflight = ("ray", self.server.search.remote(self.client_id, obs, temperature=temperature))
+            self._inflight = (self.server.search.remote(self.client_id, obs, temperature=temperature), obs, temperature)
             return
         a["obs"][:len(obs)] = obs
         seq = self._send(SEARCH, len(obs), int(round(temperature * TEMPERATURE_SCALE)))
-        self._inflight = ("channel", (seq, len(obs), obs, temperature))
+        self._inflight = (seq, obs, temperature)
 
     def wait_search(self) -> dict[str, Any]:
-        """The answer of the search `submit_search` sent."""
+        """The answer of the search `submit_search` sent; refused as overloaded, it is sent again after a pause
+        (as `initial` and `recurrent` are)."""
         if self._inflight is None:
             raise InferenceError(f"{self.client_id}: no search in flight on this client")
-        how, what = self._inflight
+        _, obs, temperature = self._inflight
+        try:
+            return self._collect_search()
+        except InferenceOverloaded:
+            return self._patient(self._search_once, obs, temperature)
+
+    def _search_once(self, obs: np.ndarray, temperature: float) -> dict[str, Any]:
+        self.submit_search(obs, temperature)
+        return self._collect_search()
+
+    def _collect_search(self) -> dict[str, Any]:
+        request, obs, temperature = self._inflight
         self._inflight = None
-        if how == "ray":
+        if not isinstance(request, int):  # a Ray call's ObjectRef
             import ray
 
-            return ray.get(what)
-        seq, rows, obs, temperature = what
-        if not self._wait(seq):  # the channel closed under the request: send it again
-            return self.search(obs, temperature)
+            return ray.get(request)
+        if not self._wait(request):  # the channel closed under the request: send it again
+            return self._search_once(obs, temperature)
         a = self.arrays
         out = a["out"]
+        rows = len(obs)
         return {"action": out[:rows, 1].astype(np.int64), "action_weights": out[:rows, 2:].copy(),
                 "root_value": out[:rows, 0].copy(), "version": int(a["header"][VERSION])}
 
@@ -353,7 +387,8 @@ class InferenceClient:
                         ray.get(self.server.get_version.remote(), timeout=60)
                         next_ping = time.monotonic() + 2.0
         if h[STATUS]:
-            raise InferenceError(bytes(a["error"]).rstrip(b"\0").decode(errors="replace"))
+            error = InferenceOverloaded if h[STATUS] == OVERLOADED else InferenceError
+            raise error(bytes(a["error"]).rstrip(b"\0").decode(errors="replace"))
         return True
 
 

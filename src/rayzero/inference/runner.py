@@ -18,7 +18,8 @@ captured at start-up after an eager warm-up, all in one shared memory pool (safe
 on one stream and every output is read before the next replay); whole-search graphs (CapturedSearch,
 per bucket and search config) are captured at start-up for the run's config and on first use for others.
 
-CPU path (and batches larger than M on CUDA): eager, on tensors built from the request arrays.
+CPU path (and batches larger than M on CUDA): eager, on tensors built from the request arrays; on CUDA on the
+compute stream, behind the weight copies and earlier batches.
 Mixed precision: bf16 autocast (cache off, as graph capture needs) around the model calls; the model's
 `heads_fp32` flag keeps its value/reward/policy heads in float32.
 """
@@ -26,6 +27,7 @@ Mixed precision: bf16 autocast (cache off, as graph capture needs) around the mo
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -300,7 +302,8 @@ class Runner:
         n = len(dst)
         bucket = self.bucket(n)
         if not self.cuda or bucket is None or (cache_ops and max(len(v) for v in cache_ops.values()) > self.M):
-            return self._eager_initial(parts, dst, cache_ops)
+            with self._eager_stream():
+                return self._eager_initial(parts, dst, cache_ops)
         slot = self._acquire()
         self._fill_obs(slot, parts)
         idx = slot.idx_np
@@ -336,7 +339,8 @@ class Runner:
         n = len(src)
         bucket = self.bucket(n)
         if not self.cuda or bucket is None:
-            return self._eager_recurrent(src, action, dst)
+            with self._eager_stream():
+                return self._eager_recurrent(src, action, dst)
         slot = self._acquire()
         idx = slot.idx_np
         idx[SRC, :n] = src
@@ -362,7 +366,8 @@ class Runner:
         n = sum(len(p) for p in parts)
         bucket = next((b for b in self.search_ladder if n <= b), None)
         if bucket is None:
-            return self._eager_search(parts, mask, config)
+            with self._eager_stream():
+                return self._eager_search(parts, mask, config)
         slot = self._acquire()
         self._fill_obs(slot, parts)
         slot.idx_np[DST, :bucket] = self.scratch[:bucket]
@@ -385,6 +390,11 @@ class Runner:
         return Flight("search", n, bucket, True, outputs, slot.start, slot.end, slot)
 
     # -- eager paths (CPU, or batches beyond the ladder) ----------------------------------------------------
+
+    def _eager_stream(self):
+        """CUDA: eager batches run on the compute stream too, so stream order puts them after the weight copies
+        and the pool writes of earlier batches queued there (on the default stream nothing would order them)."""
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         array = np.ascontiguousarray(array)
@@ -466,10 +476,13 @@ class Runner:
 
     @torch.no_grad()
     def set_weights(self, state_dict: dict[str, Any]) -> None:
-        """Copy a state dict into the model in place (captured graphs keep pointing at the same memory).
+        """Copy a state dict into the model in place (captured graphs keep pointing at the same memory)."""
+        self.apply_weights(self.stage_weights(state_dict))
 
-        CUDA: through pinned staging, on the compute stream, so it lands between batches in stream order.
-        """
+    @torch.no_grad()
+    def stage_weights(self, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Check a state dict and stage it on the host: the slow half of a weight swap, safe off the GPU thread
+        (one call at a time: CUDA stages into one set of pinned buffers, reused once the last copy is done)."""
         target = self.model.state_dict()
         missing = [k for k in target if k not in state_dict]
         if missing:
@@ -479,18 +492,30 @@ class Runner:
             if shape != tuple(tensor.shape):
                 raise InferenceError(f"set_weights: {name} has shape {shape}, the model's is {tuple(tensor.shape)}")
         if not self.cuda:
-            for name, tensor in target.items():
-                tensor.copy_(torch.as_tensor(state_dict[name]))
-            return
+            return {name: torch.as_tensor(state_dict[name]) for name in target}
         if self._weight_stage is None:
             self._weight_stage = {k: pinned(tuple(t.shape), t.dtype) for k, t in target.items()}
             self._weights_copied = torch.cuda.Event()
         self._weights_copied.synchronize()  # the previous update has left the staging buffers
         for name, stage in self._weight_stage.items():
             stage.copy_(torch.as_tensor(state_dict[name]))
+        return self._weight_stage
+
+    @torch.no_grad()
+    def apply_weights(self, staged: dict[str, torch.Tensor]) -> None:
+        """GPU thread: copy staged weights into the model, between batches.
+
+        CUDA: on the compute stream, so they land between batches in stream order (eager batches run on that
+        stream too).
+        """
+        target = self.model.state_dict()
+        if not self.cuda:
+            for name, tensor in target.items():
+                tensor.copy_(staged[name])
+            return
         with torch.cuda.stream(self.stream):
             for name, tensor in target.items():
-                tensor.copy_(self._weight_stage[name], non_blocking=True)
+                tensor.copy_(staged[name], non_blocking=True)
             self._weights_copied.record(self.stream)
 
     @torch.no_grad()

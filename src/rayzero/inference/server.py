@@ -21,7 +21,8 @@ kind whose oldest request is oldest and waits until M rows are queued or the old
 `max_wait_us`; with a batch in flight it stops waiting earlier, at 3/4 of that batch's expected device time
 (the mean of its bucket so far). GPU work runs on one dedicated thread: each step launches batch k+1 and
 then waits for batch k, so the upload and host work of k+1 overlap the device work of k (two batches in
-flight at most).
+flight at most). Backpressure: beyond `max_queue` rows queued in all, a new request fails at once with
+InferenceOverloaded (the client retries later), so queue memory stays bounded.
 
 Latents never leave the actor: initial and recurrent write them into the device pool and answer with slot
 handles; `release(client)` frees a client's slots (see pool.py for LRU and timeout reclamation).
@@ -35,6 +36,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import sys
+import threading
 import time
 from typing import Any
 
@@ -45,7 +47,7 @@ from rayzero.config import InferenceConfig, ModelConfig
 from rayzero.devices import resolve_device
 from rayzero.inference import channel as channels
 from rayzero.inference.cache import EvalCache, row_key
-from rayzero.inference.errors import InferenceError
+from rayzero.inference.errors import InferenceError, InferenceOverloaded
 from rayzero.inference.pool import LatentPool
 from rayzero.inference.runner import Flight, Runner, is_cuda
 from rayzero.models import build_model
@@ -123,12 +125,17 @@ class InferenceServer:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.batcher: asyncio.Task | None = None
-        self.metrics: dict[str, dict[str, float]] = {}
+        self.metrics: dict[str, dict[str, float]] = {}  # written by the GPU thread, under _metrics_lock
+        self._metrics_lock = threading.Lock()
         self.errors = 0
         self.requests = 0
+        self.max_queue = cfg.max_queue or 4 * cfg.max_batch  # rows
+        self.overloaded = 0  # requests refused by backpressure (inference.max_queue)
+        self.peak_queued_rows = 0
         self._t0 = time.perf_counter()
         self._trace: list[dict[str, Any]] | None = None
         self._poller: channels.Poller | None = None
+        self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference-weights")
         self.gone_clients = 0  # channel clients whose process ended (their latent slots were freed)
         self._channel_loop: asyncio.AbstractEventLoop | None = None
 
@@ -136,6 +143,7 @@ class InferenceServer:
 
     async def initial(self, client: str, obs: np.ndarray) -> dict[str, np.ndarray]:
         """obs [B, *obs_shape] -> {handles [B], value [B], reward [B], policy_logits [B, A], version}."""
+        self._checked(self._check_client, "initial", client)
         obs = self._checked(self._check_obs, "initial", obs)
         if len(obs) == 0:
             return self._empty(handles=True)
@@ -147,6 +155,7 @@ class InferenceServer:
 
         store=False: the next latents are not kept (handles come back as -1), for leaves never expanded.
         """
+        self._checked(self._check_client, "recurrent", client)
         payload = self._checked(self._check_recurrent, handles, actions)
         if len(payload[0]) == 0:
             return self._empty(handles=True)
@@ -160,6 +169,7 @@ class InferenceServer:
         combination captures its CUDA graphs on first use. Returns action [B] int64, action_weights [B, A],
         visit_counts [B, A] int64, root_value [B], version.
         """
+        self._checked(self._check_client, "search", client)
         obs = self._checked(self._check_obs, "search", obs)
         mask = self._checked(self._check_mask, invalid_actions, len(obs))
         try:
@@ -246,33 +256,47 @@ class InferenceServer:
         """Free every latent slot of `client` (call when its search ends); returns how many."""
         return self.pool.release(client)
 
-    def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
+    async def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         """Copy `state_dict` into the served model in place, between batches; returns the version now served.
 
-        Batches launched before the call are computed with the old weights, later ones with the new; every
-        answer carries the version it was computed with. The evaluation cache is cleared.
+        Batches launched before the swap are computed with the old weights, later ones with the new; every
+        answer carries the version it was computed with. The evaluation cache is cleared. The event loop keeps
+        serving meanwhile: a staging thread checks and stages the weights (the slow, host-side part), then the
+        GPU thread copies them in between two batches. Swaps land in the order of the calls.
         """
-        def swap() -> None:
-            self.runner.set_weights(state_dict)
-            self.version = version
-            if self.cache is not None:
-                self.cache.clear()
+        def swap() -> None:  # the staging thread: swaps in call order, one at a time (they share the buffers)
+            staged = self.runner.stage_weights(state_dict)
+            self.gpu.submit(self._apply_weights, version, staged).result()
 
-        self.gpu.submit(swap).result()
+        await asyncio.wrap_future(self._stager.submit(swap))
         return version
+
+    def _apply_weights(self, version: int, staged: dict[str, torch.Tensor]) -> None:
+        """GPU thread, between batches: the staged weights into the model, the new version, a clear cache."""
+        self.runner.apply_weights(staged)
+        self.version = version
+        if self.cache is not None:
+            self.cache.clear()
 
     def get_version(self) -> int:
         return self.version
 
     def stats(self) -> dict[str, Any]:
-        """Version, error and request counts, per-bucket metrics, pool and cache state."""
+        """Version, error and request counts, per-bucket metrics, pool and cache state.
+
+        A plain method: it only reads (the metrics under a lock the GPU thread holds for microseconds), so it
+        never waits for the GPU thread."""
+        with self._metrics_lock:  # the GPU thread adds buckets while serving
+            metrics = {key: dict(m) for key, m in self.metrics.items()}
         buckets = {}
-        for key, m in self.metrics.items():
+        for key, m in metrics.items():
             served = m["rows"] + m["padded"]
             buckets[key] = {**m, "padding_fraction": m["padded"] / served if served else 0.0,
                             "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
                             "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
         return {"version": self.version, "errors": self.errors, "requests": self.requests, "buckets": buckets,
+                "overloaded": self.overloaded, "queued_rows": sum(self._queued_rows.values()),
+                "peak_queued_rows": self.peak_queued_rows, "max_queue": self.max_queue,
                 "free_slots": self.pool.free, "clients": self.pool.clients,
                 "reclaimed_clients": self.pool.reclaimed_clients, "device": str(self.device),
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
@@ -290,9 +314,9 @@ class InferenceServer:
         events, self._trace = self._trace or [], None
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
-    def profile(self, kind: str, bucket: int, iters: int = 20, graph: bool = True) -> float:
+    async def profile(self, kind: str, bucket: int, iters: int = 20, graph: bool = True) -> float:
         """Benchmarks: seconds per (kind, bucket) call back to back on the device (see Runner.profile)."""
-        return self.gpu.submit(self.runner.profile, kind, bucket, iters, graph).result()
+        return await asyncio.wrap_future(self.gpu.submit(self.runner.profile, kind, bucket, iters, graph))
 
     # -- validation --------------------------------------------------------------------------------------
 
@@ -310,8 +334,22 @@ class InferenceServer:
             out["handles"] = np.zeros(0, np.int64)
         return out
 
+    @staticmethod
+    def _check_client(kind: str, client: str) -> None:
+        # Checked up front: a client name that breaks the pool's bookkeeping would fail its whole batch.
+        if not isinstance(client, str):
+            raise InferenceError(f"{kind}: client must be a str (the name its latent slots are kept under), "
+                                 f"got {type(client).__name__}")
+
+    @staticmethod
+    def _array(kind: str, name: str, value: Any) -> np.ndarray:
+        try:
+            return np.asarray(value)
+        except (ValueError, TypeError) as error:  # e.g. ragged nested lists
+            raise InferenceError(f"{kind}: {name} is not an array: {error}") from None
+
     def _check_obs(self, kind: str, obs: np.ndarray) -> np.ndarray:
-        obs = np.asarray(obs)
+        obs = self._array(kind, "obs", obs)
         if obs.ndim != len(self.obs_shape) + 1 or tuple(obs.shape[1:]) != self.obs_shape:
             raise InferenceError(f"{kind}: obs shape {obs.shape} must be [B, {', '.join(map(str, self.obs_shape))}]")
         if obs.dtype.kind not in "biuf" or not np.can_cast(obs.dtype, self.obs_dtype, casting="same_kind"):
@@ -327,7 +365,7 @@ class InferenceServer:
     def _check_mask(self, mask: np.ndarray | None, rows: int) -> np.ndarray | None:
         if mask is None:
             return None
-        mask = np.asarray(mask)
+        mask = self._array("search", "invalid_actions", mask)
         if mask.shape != (rows, self.num_actions) or mask.dtype != np.bool_:
             raise InferenceError(f"search: invalid_actions must be bool [{rows}, {self.num_actions}], got "
                                  f"{mask.dtype} {mask.shape}")
@@ -337,7 +375,7 @@ class InferenceServer:
         return mask
 
     def _check_recurrent(self, handles: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        handles, actions = np.asarray(handles), np.asarray(actions)
+        handles, actions = self._array("recurrent", "handles", handles), self._array("recurrent", "actions", actions)
         if (handles.ndim != 1 or actions.shape != handles.shape or actions.dtype.kind not in "iu"
                 or handles.dtype.kind not in "iu"):
             raise InferenceError(
@@ -358,6 +396,12 @@ class InferenceServer:
             self._queues, self._queued_rows = {}, collections.Counter()
             self._wake = asyncio.Event()
             self.batcher = loop.create_task(self._batch_loop())
+        queued = sum(self._queued_rows.values())
+        if queued and queued + rows > self.max_queue:
+            self.overloaded += 1
+            raise InferenceOverloaded(f"inference actor overloaded: {queued} rows queued, {rows} more would pass "
+                                      f"inference.max_queue={self.max_queue} rows; retry later")
+        self.peak_queued_rows = max(self.peak_queued_rows, queued + rows)
         future = loop.create_future()
         self._queues.setdefault(key, collections.deque()).append(
             _Request(key, client, payload, rows, future, time.perf_counter()))
@@ -611,16 +655,18 @@ class InferenceServer:
     def _record(self, batch: _Batch) -> None:
         flight = batch.flight
         name = f"{batch.kind}/{flight.bucket}"
-        m = self.metrics.setdefault(name, {"count": 0, "requests": 0, "rows": 0, "padded": 0, "graph": 0,
-                                           "wait_s": 0.0, "gpu_s": 0.0, "host_s": 0.0})
-        m["count"] += 1
-        m["requests"] += len(batch.requests)
-        m["rows"] += flight.rows
-        m["padded"] += flight.bucket - flight.rows if flight.graph else 0
-        m["graph"] += int(flight.graph)
-        m["wait_s"] += sum(batch.launched - r.submitted for r in batch.requests)
-        m["gpu_s"] += flight.gpu_s
-        m["host_s"] += batch.host_s
+        wait_s = sum(batch.launched - r.submitted for r in batch.requests)
+        with self._metrics_lock:
+            m = self.metrics.setdefault(name, {"count": 0, "requests": 0, "rows": 0, "padded": 0, "graph": 0,
+                                               "wait_s": 0.0, "gpu_s": 0.0, "host_s": 0.0})
+            m["count"] += 1
+            m["requests"] += len(batch.requests)
+            m["rows"] += flight.rows
+            m["padded"] += flight.bucket - flight.rows if flight.graph else 0
+            m["graph"] += int(flight.graph)
+            m["wait_s"] += wait_s
+            m["gpu_s"] += flight.gpu_s
+            m["host_s"] += batch.host_s
 
     def _span(self, name: str, start: float, end: float, thread: str, **args: Any) -> None:
         self._trace.append({"name": name, "ph": "X", "pid": 0, "tid": thread, "ts": (start - self._t0) * 1e6,

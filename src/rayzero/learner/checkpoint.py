@@ -6,21 +6,28 @@ Layout of RUN_DIR/checkpoints/:
         optimizer.pt           optimizer state, loadable with torch.load(weights_only=True)
         state.json             counters (learner steps, weight version, env steps, ...)
         replay.npz             the replay buffer (optional)
+        checksums.json         sha256 of every other file, written last
     latest                     name of the newest complete checkpoint
 
 A checkpoint is built in a hidden temporary directory and renamed into place, then `latest` is replaced
-atomically, so a crash at any point leaves the previous checkpoint intact and loadable.
+atomically, so a crash at any point leaves the previous checkpoint intact and loadable. `latest` checks the
+checksums: a checkpoint with a corrupt, truncated or missing file is reported in one line naming the file,
+and the previous valid checkpoint is used instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+CHECKSUMS = "checksums.json"
+_warned: set[tuple[str, Path]] = set()
 
 
 class CheckpointError(ValueError):
@@ -47,42 +54,102 @@ def staging_dir(run_dir: str | os.PathLike, step: int) -> Path:
 
 
 def commit(run_dir: str | os.PathLike, staging: Path, step: int, state: dict, keep: int = 3) -> Path:
-    """Write state.json, fsync, rename staging into place, point `latest` at it, prune old ones."""
+    """Write state.json and checksums.json, fsync, rename staging into place, point `latest` at it, prune old
+    ones."""
     root = Path(run_dir) / CHECKPOINTS
-    with open(staging / "state.json", "w") as f:
-        json.dump(state, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    for child in staging.iterdir():
-        with open(child, "rb") as f:
-            os.fsync(f.fileno())
     final = root / f"step_{step:08d}"
+    try:
+        with open(staging / "state.json", "w") as f:
+            json.dump(state, f, indent=2)
+        sums = {child.name: _sha256(child) for child in sorted(staging.iterdir())
+                if child.is_file() and child.name != CHECKSUMS}
+        (staging / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=2))
+        for child in staging.iterdir():
+            if child.is_file():
+                with open(child, "rb") as f:
+                    os.fsync(f.fileno())
+    except OSError as error:  # e.g. the disk is full: drop the partial checkpoint, keep the previous one
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {str(final)!r} ({error}); the previous checkpoint "
+                              "stays valid") from None
     if final.exists():
         shutil.rmtree(final)
     os.rename(staging, final)
-    tmp_latest = root / (LATEST + ".tmp")
-    tmp_latest.write_text(final.name + "\n")
-    os.replace(tmp_latest, root / LATEST)
-    _fsync_dir(root)
+    try:
+        tmp_latest = root / (LATEST + ".tmp")
+        tmp_latest.write_text(final.name + "\n")
+        os.replace(tmp_latest, root / LATEST)
+        _fsync_dir(root)
+    except OSError as error:  # `latest` still names the previous checkpoint, which is still valid
+        raise CheckpointError(f"could not point {str(root / LATEST)!r} at {final.name} ({error}); the previous "
+                              "checkpoint stays the latest") from None
     complete = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify(checkpoint: Path) -> None:
+    """Check every file of a checkpoint against its checksums.json; a CheckpointError names the first bad file.
+
+    Checkpoints written before checksums existed (no checksums.json) pass unchecked."""
+    sums_path = checkpoint / CHECKSUMS
+    if not sums_path.exists():
+        return
+    try:
+        sums = json.loads(sums_path.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r}: {CHECKSUMS} is unreadable ({error})") from None
+    for name, digest in sums.items():
+        path = checkpoint / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {str(checkpoint)!r}: {name} is missing")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"checkpoint {str(checkpoint)!r}: {name} is corrupt (its sha256 does not match "
+                                  f"{CHECKSUMS}; truncated or half-written?)")
+
+
+def _check(checkpoint: Path) -> None:
+    if not (checkpoint / "state.json").exists():
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} is incomplete or missing (no state.json)")
+    verify(checkpoint)
+
+
 def latest(run_dir: str | os.PathLike) -> Path:
-    """The newest complete checkpoint of a run dir (or the path of a checkpoint dir itself)."""
+    """The newest complete, valid checkpoint of a run dir (or the path of a checkpoint dir itself, checked).
+
+    If the checkpoint `latest` names is missing or fails its checksums, one warning line names the bad file
+    and the newest older valid checkpoint is used; a CheckpointError lists every problem when none is valid.
+    """
     path = Path(run_dir)
     if (path / "state.json").exists():
+        verify(path)
         return path
     root = path / CHECKPOINTS
     pointer = root / LATEST
     if not pointer.exists():
         raise CheckpointError(f"no checkpoint found in {str(path)!r} (expected {str(pointer)!r})")
-    target = root / pointer.read_text().strip()
-    if not (target / "state.json").exists():
-        raise CheckpointError(f"checkpoint {str(target)!r} named by {str(pointer)!r} is incomplete or missing")
-    return target
+    named = root / pointer.read_text().strip()
+    older = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name < named.name), reverse=True)
+    problems = []
+    for candidate in (named, *older):
+        try:
+            _check(candidate)
+        except CheckpointError as error:
+            problems.append(str(error))
+            continue
+        if problems and (problems[0], candidate) not in _warned:  # once per process (resume checks twice)
+            _warned.add((problems[0], candidate))
+            print(f"rayzero: warning: {problems[0]}; using the previous valid checkpoint {str(candidate)!r}",
+                  file=sys.stderr, flush=True)
+        return candidate
+    raise CheckpointError(f"no valid checkpoint in {str(root)!r} ({str(pointer)!r} names {named.name!r}): "
+                          + "; ".join(problems))
 
 
 def read_state(checkpoint: Path) -> dict:

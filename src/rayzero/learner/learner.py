@@ -5,7 +5,8 @@
 the loss module's forward under bf16 autocast, backward, global-norm clipping, AdamW (fused on CUDA).
 On CUDA the loss module is torch.compile'd, by default with CUDA graphs ('reduce-overhead'), since the
 compiled step is otherwise bound by Python launching its kernels (docs/benchmarks.md). If compiling or the
-first steps fail, the learner falls back to the plain compile mode, then to eager, and logs why. Nothing in the update waits for the device:
+first steps fail, the learner falls back to the plain compile mode, then to eager, and logs why (compiler errors
+only: an OOM or an error in the loss propagates). Nothing in the update waits for the device:
 metrics are summed on the device and read once per `train` call, priorities go back through
 `PriorityOutbox`, and batches arrive through `Prefetcher` (learner/prefetch.py), so sampling, gathering and
 the copy overlap the update.
@@ -18,7 +19,9 @@ import copy
 import gc
 import inspect
 import math
+import pickle
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +80,24 @@ FULL_GC_EVERY = 20  # train calls between full collections with learner.manual_g
 
 
 log = logger(__name__)
+
+
+_COMPILER_DIRS = tuple(str(Path(torch.__file__).parent / part)
+                       for part in ("_dynamo", "_inductor", "cuda/graphs.py"))
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """Whether a failure of a compiled step is the compiler's (worth a plainer mode): one of torch.compile's
+    exception types, or raised from inside dynamo, inductor or CUDA-graph capture. Out-of-memory errors and
+    errors raised by the loss code itself are not."""
+    import torch._dynamo.exc
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_COMPILER_DIRS)
 
 
 class Learner:
@@ -229,8 +250,10 @@ class Learner:
                 break
             try:
                 loss, stats, priorities = self._loss_and_backward(tensors)
-            except Exception as error:  # noqa: BLE001 - any compiler failure: the next mode, at last eager
+            except Exception as error:
                 self.optimizer.zero_grad(set_to_none=True)
+                if not is_compile_error(error):  # an OOM or a bug in the loss: eager would not help
+                    raise
                 log.warning(f"torch.compile ({self.compile_state.split(':')[-1]}) failed ({type(error).__name__}: "
                     f"{str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}); "
                     f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}")
@@ -493,6 +516,9 @@ class Learner:
             extra_path = path / EXTRA_FILE
             extra = load_file(str(extra_path), device=str(self.device)) if extra_path.exists() else {}
             other = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError as error:  # a pickle of anything but tensors and plain containers
+            raise CheckpointError(f"checkpoint {str(path)!r}: optimizer.pt refused, it is not a weights-only torch "
+                                  f"file ({str(error).splitlines()[0]})") from None
         except (OSError, SafetensorError, RuntimeError, EOFError, ValueError) as error:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or unreadable: {error}") from None
         self.model.load_state_dict(state)
