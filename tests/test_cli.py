@@ -85,10 +85,16 @@ def test_selfplay_benchmark_quick_writes_its_json(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(path.read_text())
     assert document["benchmark"] == "selfplay" and document["versions"]["torch"]
-    rows = {row["preset"]: row for row in document["rows"]}
+    rows = {row["preset"]: row for row in document["worker"]}
     assert set(rows) == {"cartpole", "atari"}
     for row in rows.values():
         assert row["env_steps_per_second"] > 0 and 0 < row["network_share"] < 1
+    # The served path: self-play actors and the inference actor in Ray, against the env-only ceiling.
+    (served,) = document["served"]
+    assert served["env_steps_per_second"] > 0 and served["ceiling_env_steps_per_second"] > 0
+    assert served["inference_device"] == "cpu" and served["actors"] == 1 and served["envs_per_actor"] == 8
+    assert 0 < served["step_latency"]["p50_ms"] <= served["step_latency"]["p99_ms"]
+    assert served["one_env_latency"]["steps"] >= 20 and served["batches"]["rows_per_batch"] > 0
 
 
 @pytest.mark.parametrize("leftover", ["config.yaml", "metrics.jsonl", "checkpoints"])

@@ -186,8 +186,12 @@ class SelfPlayWorker:
         lengths: list[int] = []
         pending = []
         sent = 0
+        step_seconds = []
         for _ in range(num_steps):
-            for segment in self.step(temperature):
+            began = time.perf_counter()
+            segments = self.step(temperature)
+            step_seconds.append(time.perf_counter() - began)
+            for segment in segments:
                 sent += segment.num_sampleable
                 if self.sink is not None:
                     pending.append(self.sink(segment))
@@ -204,6 +208,7 @@ class SelfPlayWorker:
             "episode_lengths": lengths,
             "version": self.version,
             "seconds": time.perf_counter() - start,
+            "step_seconds": step_seconds,  # each batched step: the time every env waited for its next action
         }
 
 

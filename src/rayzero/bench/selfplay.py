@@ -1,12 +1,17 @@
-"""Benchmark of one self-play worker on the CPU: env steps/s with a local network copy, and the bare envs.
+"""Benchmark of self-play: the whole self-play path as a run uses it, and one worker on the CPU.
 
-Rows, per preset and number of envs: the worker's env steps/s through `SelfPlayWorker.collect` (search with
-the preset's simulations and network, env stepping, segment building; no Ray, no sink), the share of the time
-the search (root inference included) takes, and the bare vector env's steps/s with random actions. This is the
-CPU self-play path: one such worker per core is what `cluster.num_selfplay_actors` scales out; the GPU path
-(whole searches on the inference actor) is `rayzero bench inference`.
+served (the default): self-play actors, the inference actor and replay as `rayzero train` builds them from the
+preset and the host (cluster.plan; no learner), with randomly initialised weights. Per simulation count it
+reports env steps/s and frames/s in the steady state, the env-only ceiling measured in the same run (as many
+actors stepping the same envs with random actions), their ratio, the decision latency per step (p50, p99;
+every env of an actor waits one batched step for its next action), one env alone (p50, p99), GPU utilisation
+and energy per env step (NVML), and how full the inference actor's batches were. On a GPU host the
+default rows are the `atari` preset at 50 and 200 simulations.
 
-    rayzero bench selfplay [--quick] [--json PATH]      # --quick: fewer steps and env counts, < 1 minute
+worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
+bare vector env.
+
+    rayzero bench selfplay [--quick] [--json PATH]      # --quick: cartpole, CPU, a few seconds per phase
 """
 
 from __future__ import annotations
@@ -79,10 +84,158 @@ def measure(preset: str, num_envs: int, steps: int) -> dict[str, Any]:
     return row
 
 
+# -------------------------------------------------------------------------------- the served path (Ray)
+
+
+def _percentiles(seconds: list[float]) -> dict[str, float]:
+    if not seconds:
+        return {}
+    ms = 1e3 * np.asarray(seconds)
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)), "steps": len(ms)}
+
+
+def _run_actors(actors: list[Any], seconds: float, steps_per_call: int) -> dict[str, Any]:
+    """Keep every actor collecting for `seconds`; env steps, per-step latencies and the wall time they took."""
+    import ray
+
+    start = time.perf_counter()
+    pending = {a.collect.remote(steps_per_call, 1.0, None): a for a in actors}
+    env_steps, step_seconds = 0, []
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        actor = pending.pop(ready[0])
+        result = ray.get(ready[0])
+        env_steps += result["env_steps"]
+        step_seconds += result["step_seconds"]
+        if time.perf_counter() - start < seconds:
+            pending[actor.collect.remote(steps_per_call, 1.0, None)] = actor
+    return {"env_steps": env_steps, "seconds": time.perf_counter() - start, "step_seconds": step_seconds}
+
+
+def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> float:
+    """Env steps/s of `num_actors` Ray tasks, each stepping env_cfg.num_envs envs with random actions."""
+    import ray
+
+    @ray.remote
+    def step_randomly(seed: int) -> tuple[int, float]:
+        env = make_vector_env(env_cfg, env_cfg.num_envs, seed, training=True)
+        rng = np.random.default_rng(seed)
+        env.reset(seed=seed)
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            env.step(rng.integers(0, env.spec.num_actions, size=env_cfg.num_envs))
+            steps += env_cfg.num_envs
+        env.close()
+        return steps, time.perf_counter() - start
+
+    results = ray.get([step_randomly.options(num_cpus=cpus).remote(i) for i in range(num_actors)])
+    return sum(steps for steps, _ in results) / max(seconds for _, seconds in results)
+
+
+def _batch_fill(stats: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
+    """Rows per whole-search (or recurrent) batch and the share of bucket rows that were padding, since `before`."""
+    rows = padded = count = 0
+    for name, m in stats["buckets"].items():
+        if not name.startswith(("search", "recurrent")):
+            continue
+        old = before["buckets"].get(name, {"rows": 0, "padded": 0, "count": 0})
+        rows, padded, count = rows + m["rows"] - old["rows"], padded + m["padded"] - old["padded"], \
+            count + m["count"] - old["count"]
+    return {"rows_per_batch": rows / count if count else 0.0,
+            "padding_fraction": padded / (rows + padded) if rows + padded else 0.0}
+
+
+def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int = 3) -> dict[str, Any]:
+    """One row of the served path (see the module docstring)."""
+    import ray
+
+    from rayzero import cluster
+    from rayzero.bench.inference import GpuMonitor
+    from rayzero.envs import env_spec
+    from rayzero.models import build_model
+
+    cfg = config_lib.load(preset, overrides)
+    spec = env_spec(cfg.env)
+    p = cluster.plan(cfg, ray.cluster_resources())
+    replay = cluster.make_replay(cfg, p)
+    inference = cluster.make_inference(cfg, spec, p)
+    if inference is not None:
+        model = build_model(cfg.model, spec.observation_shape, spec.num_actions)
+        ray.get(inference.set_weights.remote(0, {k: v.numpy() for k, v in model.state_dict().items()}))
+    actors = [cluster.make_selfplay(cfg, p, replay, inference, i) for i in range(p.selfplay.count)]
+    steps_per_call = cfg.run.selfplay_steps_per_call
+    try:
+        ray.get([a.collect.remote(warmup_steps, 1.0, None) for a in actors])  # graphs captured, channels open
+        before = ray.get(inference.stats.remote()) if inference is not None else None
+        gpu = GpuMonitor()
+        energy0 = gpu.energy_j()
+        gpu.start()
+        t0 = time.monotonic()
+        run = _run_actors(actors, seconds, steps_per_call)
+        t1 = time.monotonic()
+        energy = gpu.energy_j()
+        samples = gpu.stop()
+        after = ray.get(inference.stats.remote()) if inference is not None else None
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    alone_cfg = config_lib.load(preset, [*overrides, "env.num_envs=1", "cluster.num_selfplay_actors=1"])
+    alone = cluster.make_selfplay(alone_cfg, cluster.plan(alone_cfg, ray.cluster_resources()), replay, inference,
+                                  10_000)
+    try:
+        ray.get(alone.collect.remote(warmup_steps, 1.0, None))
+        single = ray.get(alone.collect.remote(max(20, int(10 * seconds)), 1.0, None))
+    finally:
+        ray.kill(alone)
+    ceiling = _env_ceiling(cfg.env, p.selfplay.count, p.selfplay.cpus, seconds)
+    rate = run["env_steps"] / run["seconds"]
+    row = {
+        "preset": preset, "overrides": overrides, "env_id": cfg.env.id, "simulations": cfg.search.num_simulations,
+        "actors": p.selfplay.count, "envs_per_actor": cfg.env.num_envs, "whole_search": p.whole_search,
+        "inference_device": p.inference.device if p.inference is not None else "local",
+        "env_steps_per_second": rate, "frames_per_second": rate * (cfg.env.frame_skip if cfg.env.is_atari else 1),
+        "ceiling_env_steps_per_second": ceiling, "ratio_to_ceiling": rate / ceiling if ceiling else None,
+        "step_latency": _percentiles(run["step_seconds"]), "one_env_latency": _percentiles(single["step_seconds"]),
+        "gpu": GpuMonitor.summarize(samples, t0, t1),
+        "energy_j_per_env_step": (energy - energy0) / run["env_steps"] if energy is not None and energy0 is not None
+        else None,
+        "seconds": run["seconds"],
+    }
+    if after is not None:
+        row["batches"] = _batch_fill(after, before)
+    lat, one = row["step_latency"], row["one_env_latency"]
+    print(f"served {preset:8s} sims {row['simulations']:3d}  {row['actors']:2d} x {row['envs_per_actor']:3d} envs  "
+          f"{rate:8,.0f} env steps/s  ceiling {ceiling:8,.0f} ({row['ratio_to_ceiling']:.0%})  "
+          f"step p50 {lat.get('p50_ms', 0):6.1f} p99 {lat.get('p99_ms', 0):6.1f} ms  "
+          f"one env p50 {one.get('p50_ms', 0):5.1f} ms  GPU {row['gpu'].get('util_mean', float('nan')):5.1f} %",
+          flush=True)
+    return row
+
+
 def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
-    sizes = QUICK if quick else FULL
-    rows = [measure(preset, n, steps) for preset, (counts, steps) in sizes.items() for n in counts]
-    return write_json(json_path, "selfplay", {"quick": quick, "torch_threads": 1, "rows": rows})
+    import ray
+
+    import torch as _torch
+
+    from rayzero import cluster
+    from rayzero.config import ClusterConfig
+
+    gpu = _torch.cuda.is_available()
+    if quick:
+        variants = [("cartpole", ["inference.mode=central", "cluster.num_selfplay_actors=1", "env.num_envs=8"])]
+    elif gpu:
+        variants = [("atari", []), ("atari", ["search.num_simulations=200"])]
+    else:
+        variants = [("cartpole", ["inference.mode=central"])]
+    seconds = 3.0 if quick else 30.0
+    cluster.connect(ClusterConfig())
+    try:
+        rows = [served(preset, overrides, seconds) for preset, overrides in variants]
+    finally:
+        ray.shutdown()
+    worker_rows = [] if gpu and not quick else [
+        measure(preset, n, steps) for preset, (counts, steps) in (QUICK if quick else FULL).items() for n in counts]
+    return write_json(json_path, "selfplay", {"quick": quick, "served": rows, "worker": worker_rows})
 
 
 if __name__ == "__main__":

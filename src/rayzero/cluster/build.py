@@ -110,27 +110,37 @@ class Handles:
     reanalyse: list[Any] = dataclasses.field(default_factory=list)
 
 
+def make_replay(config: Config, p: Plan) -> ReplayShards:
+    """The replay shards, on the driver's node: removing any other node loses no replay data, and their
+    snapshots land in the driver's run directory."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    shard_cfg = shard_config(config, p.replay.count)
+    return ReplayShards([
+        ray.remote(ReplayBuffer).options(**p.replay.actor_options(), scheduling_strategy=here).remote(
+            shard_cfg, config.run.seed * 1000 + i)
+        for i in range(p.replay.count)
+    ])
+
+
+def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:
+    """The central inference actor (None when inference is local to each self-play actor)."""
+    if p.inference is None:
+        return None
+    inference_cfg = dataclasses.replace(config.inference, device=p.inference.device)
+    return ray.remote(InferenceServer).options(**p.inference.actor_options()).remote(
+        config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
+        config.cluster.torch_threads, obs_dtype=spec.observation_dtype, search_cfg=config.search,
+        discount=config.replay.discount,
+    )
+
+
 def build(config: Config, spec: EnvSpec, p: Plan | None = None) -> Handles:
     """Starts replay, learner, evaluation, the inference actor (central mode) and the self-play actors."""
     p = p or plan(config, ray.cluster_resources())
     c, seed = config.cluster, config.run.seed
-    # Replay lives on the driver's node: removing any other node loses no replay data, and its snapshots
-    # land in the driver's run directory.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    shard_cfg = shard_config(config, p.replay.count)
-    replay = ReplayShards([
-        ray.remote(ReplayBuffer).options(**p.replay.actor_options(), scheduling_strategy=here).remote(
-            shard_cfg, seed * 1000 + i)
-        for i in range(p.replay.count)
-    ])
+    replay = make_replay(config, p)
     learner = build_learner_group(config, spec, p)
-    inference = None
-    if p.inference is not None:
-        inference_cfg = dataclasses.replace(config.inference, device=p.inference.device)
-        inference = ray.remote(InferenceServer).options(**p.inference.actor_options()).remote(
-            config.model, inference_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads,
-            obs_dtype=spec.observation_dtype, search_cfg=config.search, discount=config.replay.discount,
-        )
+    inference = make_inference(config, spec, p)
     # On a GPU, evaluation searches through the inference actor, as self-play does.
     evaluation = ray.remote(EvalWorker).options(**p.evaluation.actor_options()).remote(
         config.env, config.model, config.search, config.replay.discount, c.torch_threads,
