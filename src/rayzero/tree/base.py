@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 POLICIES = ("muzero", "gumbel")
+CPU_BACKENDS = ("auto", "numba", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class SearchConfig:
     """Simulations per tree per wave (K); K > 1 applies virtual loss so the K paths differ."""
     max_nodes: int = 0
     """Cap on nodes per tree (0 = num_simulations + 1); a search needing more raises a clear error."""
+    cpu_backend: str = "auto"
+    """Tree walk of searches on CPU tensors: 'numba' (compiled, tree/cpu.py), 'torch' (the eager torch
+    path), 'auto' = numba when it imports (and RAYZERO_TREE_NUMBA != 0), else torch. Same results."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -59,6 +63,7 @@ class SearchConfig:
             ("gumbel_scale", self.gumbel_scale >= 0, ">= 0"),
             ("virtual_loss", self.virtual_loss >= 1, ">= 1"),
             ("max_nodes", self.max_nodes >= 0, ">= 0"),
+            ("cpu_backend", self.cpu_backend in CPU_BACKENDS, f"one of {CPU_BACKENDS}"),
         ]
         for name, ok, valid in checks:
             if not ok:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from rayzero.tree import kernels
+from rayzero.tree import cpu, kernels
 from rayzero.tree.action_selection import (
     gumbel_interior_scores,
     gumbel_root_scores,
@@ -117,10 +117,14 @@ def search(
             f"(device={device}, triton={kernels.triton_importable()}, virtual_loss={K})"
         )
     triton = triton_ok if use_triton is None else bool(use_triton)
+    compiled_cpu = cpu.use_numba(device, config.cpu_backend)  # tree/cpu.py: numba waves on CPU tensors
 
     tree = allocate_tree(B, N, A, embedding, device=device, virtual_loss=K > 1)
     ctx = _Context(tree, config, invalid, n, K, device)
     _init_root(tree, ctx, logits, value, embedding, noise, generator)
+    if compiled_cpu:
+        cpu.simulate(tree, ctx, recurrent_fn, _check_recurrent)
+        return _outputs(tree, ctx, noise, generator)
 
     num_waves = -(-n // K)
     for w in range(num_waves):
