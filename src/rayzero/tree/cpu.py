@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rayzero.tree.base import RecurrentOutput
 from rayzero.tree.tree import DISCOUNT, NO_PARENT, PRIOR, REWARD, UNVISITED, VALUE, VISITS, tree_map, tree_map2
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -379,14 +380,86 @@ def _expand_backup_wave(
 
 def _np(t: torch.Tensor) -> np.ndarray:
     """A float32 C-contiguous numpy view (or copy) of a CPU tensor."""
-    return t.detach().float().contiguous().numpy()
+    if t.dtype != torch.float32 or t.requires_grad or not t.is_contiguous():
+        t = t.detach().float().contiguous()
+    return t.numpy()
+
+
+_NUMPY_DTYPES = {
+    torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool,
+}  # fmt: skip
+
+
+class _Embeddings:
+    """The tree's node embeddings [B, N, ...]: gathered and written with numpy when they are one tensor of a
+    numpy dtype (a few µs less per wave than torch's indexing at small B), with torch otherwise."""
+
+    def __init__(self, embeddings: Any) -> None:
+        self.tree = embeddings
+        self.fast = isinstance(embeddings, torch.Tensor) and embeddings.dtype in _NUMPY_DTYPES
+        if self.fast:
+            B, N = embeddings.shape[:2]
+            self.rest = tuple(embeddings.shape[2:])
+            self.nodes = embeddings.numpy().reshape(B, N, -1)  # a view: the tensor is contiguous
+            self.flat = self.nodes.reshape(B * N, -1)
+
+    def gather(self, flat_parent: np.ndarray) -> Any:
+        """[Kw * B, ...] embeddings of the nodes `flat_parent` (indices into the [B * N] node views)."""
+        if self.fast:
+            rows = np.take(self.flat, flat_parent, axis=0)
+            return torch.from_numpy(rows.reshape(flat_parent.shape[0], *self.rest))
+        flat = torch.from_numpy(flat_parent)
+        return tree_map(lambda t: t.flatten(0, 1).index_select(0, flat), self.tree)
+
+    def write(self, first: int, kw: int, next_embedding: Any) -> None:
+        """Store the [Kw * B, ...] (k-major) new embeddings as nodes first .. first + kw - 1."""
+        if (
+            self.fast
+            and isinstance(next_embedding, torch.Tensor)
+            and next_embedding.dtype == self.tree.dtype
+            and not next_embedding.requires_grad
+        ):
+            src = next_embedding.numpy().reshape(kw, -1, self.nodes.shape[2])
+            if kw == 1:
+                self.nodes[:, first] = src[0]
+            else:
+                self.nodes[:, first : first + kw] = src.transpose(1, 0, 2)
+            return
+        if kw == 1:
+            tree_map2(lambda dst, src: dst[:, first].copy_(src), self.tree, next_embedding)
+            return
+        # rows are k-major: [Kw * B, ...] -> [B, Kw, ...]
+        tree_map2(
+            lambda dst, src: dst[:, first : first + kw].copy_(src.reshape(kw, -1, *src.shape[1:]).transpose(0, 1)),
+            self.tree,
+            next_embedding,
+        )
+
+
+def _same_shapes(out: Any, next_embedding: Any, rows: int, A: int, embedding_shape: tuple | None) -> bool:
+    """Cheap re-check of a recurrent_fn output after the first wave's full check (the compiled code does
+    no bounds checks, so every wave's arrays must have the right sizes)."""
+    if type(out) is not RecurrentOutput:
+        return False
+    r = (rows,)
+    for t in out:
+        if type(t) is not torch.Tensor:
+            return False
+    if out.reward.shape != r or out.discount.shape != r or out.value.shape != r:
+        return False
+    if out.prior_logits.shape != (rows, A):
+        return False
+    return embedding_shape is not None and type(next_embedding) is torch.Tensor and (
+        next_embedding.shape == (rows, *embedding_shape)
+    )
 
 
 class _Arrays:
     """numpy views of one search's tree and per-search constants (made once per search)."""
 
     def __init__(self, tree: Tree, ctx: Any) -> None:
-        B, A = ctx.B, ctx.A
+        B, A, K, N = ctx.B, ctx.A, ctx.K, ctx.N
         self.edges = tree.edges.numpy()
         self.node_visits = tree.node_visits.numpy()
         self.value_sums = tree.value_sums.numpy()
@@ -410,6 +483,13 @@ class _Arrays:
         else:
             self.root_gumbel = self.root_log_prior = np.zeros((B, A), np.float32)
             self.considered = np.zeros((1, 1), np.float32)
+        # Path buffers of a wave, reused by every wave (a last, partial wave uses the first rows).
+        self.path_nodes = np.zeros((K, B, N), np.int64)
+        self.path_actions = np.zeros((K, B, N), np.int64)
+        self.depth = np.zeros((K, B), np.int64)
+        self.leaf = np.zeros((K, B), np.int64)
+        self.dup = np.zeros((K, B), np.bool_)
+        self.flat_parent = np.zeros(K * B, np.int64)
 
 
 def simulate(
@@ -425,40 +505,35 @@ def simulate(
     tensors); check_recurrent: search._check_recurrent.
     """
     x = _Arrays(tree, ctx)
-    B, N, A, K, n = ctx.B, ctx.N, ctx.A, ctx.K, ctx.num_simulations
+    emb = _Embeddings(tree.embeddings)
+    emb_shape = emb.rest if emb.fast else None
+    B, A, K, n = ctx.B, ctx.A, ctx.K, ctx.num_simulations
     config = ctx.config
     maxvisit_init, value_scale = _F32(config.maxvisit_init), _F32(config.value_scale)
     gumbel = bool(ctx.gumbel)
+    checked_rows = -1
     for w in range(-(-n // K)):
         first = 1 + w * K
         kw = min(K, n - w * K)
-        path_nodes = np.zeros((kw, B, N), np.int64)
-        path_actions = np.zeros((kw, B, N), np.int64)
-        depth = np.empty((kw, B), np.int64)
-        leaf = np.empty((kw, B), np.int64)
-        dup = np.empty((kw, B), np.bool_)
-        flat_parent = np.empty(kw * B, np.int64)
-        action = np.empty(kw * B, np.int64)
+        if kw < K:
+            path_nodes, path_actions = x.path_nodes[:kw], x.path_actions[:kw]
+            depth, leaf, dup, flat_parent = x.depth[:kw], x.leaf[:kw], x.dup[:kw], x.flat_parent[: kw * B]
+        else:
+            path_nodes, path_actions = x.path_nodes, x.path_actions
+            depth, leaf, dup, flat_parent = x.depth, x.leaf, x.dup, x.flat_parent
+        action = np.empty(kw * B, np.int64)  # fresh: recurrent_fn may keep it
         _select_wave(
             x.edges, x.node_visits, x.value_sums, x.raw_values, x.children, x.vv, x.coef,
             x.value_min, x.value_max, x.invalid, x.has_invalid, gumbel, x.root_gumbel,
             x.root_log_prior, x.considered, w, maxvisit_init, value_scale, first, kw,
             path_nodes, path_actions, depth, leaf, dup, flat_parent, action,
         )  # fmt: skip
-        flat = torch.from_numpy(flat_parent)
-        parent_embedding = tree_map(lambda t: t.flatten(0, 1).index_select(0, flat), tree.embeddings)
-        out, next_embedding = recurrent_fn(torch.from_numpy(action), parent_embedding)
-        check_recurrent(out, next_embedding, kw * B, A, tree.embeddings)
-        if kw == 1:
-            tree_map2(lambda dst, src: dst[:, first].copy_(src), tree.embeddings, next_embedding)
-        else:  # rows are k-major: [Kw * B, ...] -> [B, Kw, ...]
-            tree_map2(
-                lambda dst, src: dst[:, first : first + kw].copy_(
-                    src.reshape(kw, B, *src.shape[1:]).transpose(0, 1)
-                ),
-                tree.embeddings,
-                next_embedding,
-            )
+        rows = kw * B
+        out, next_embedding = recurrent_fn(torch.from_numpy(action), emb.gather(flat_parent))
+        if rows != checked_rows or not _same_shapes(out, next_embedding, rows, A, emb_shape):
+            check_recurrent(out, next_embedding, rows, A, tree.embeddings)
+            checked_rows = rows
+        emb.write(first, kw, next_embedding)
         prior = torch.softmax(out.prior_logits.float(), dim=-1)
         _expand_backup_wave(
             x.edges, x.node_visits, x.value_sums, x.raw_values, x.rewards, x.discounts, x.parents,
