@@ -43,7 +43,17 @@ import numpy as np
 import torch
 
 from rayzero.tree.base import RecurrentOutput
-from rayzero.tree.tree import DISCOUNT, NO_PARENT, PRIOR, REWARD, UNVISITED, VALUE, VISITS, tree_map, tree_map2
+from rayzero.tree.tree import (
+    DISCOUNT,
+    NO_PARENT,
+    PRIOR,
+    REWARD,
+    UNVISITED,
+    VALUE,
+    VISITS,
+    tree_map,
+    tree_map2,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from rayzero.tree.base import RecurrentFn
@@ -265,7 +275,9 @@ def _select_wave(
                 if gumbel:
                     _gumbel_interior_scores(edges, raw_values, b, node, maxvisit_init, value_scale, score)
                 else:
-                    _puct_scores(edges, node_visits, value_sums, vv, use_vv, coef, b, node, low, spread, score)
+                    _puct_scores(
+                        edges, node_visits, value_sums, vv, use_vv, coef, b, node, low, spread, score
+                    )
                 a = _argmax(score)
                 path_nodes[k, b, d] = node
                 path_actions[k, b, d] = a
@@ -431,7 +443,9 @@ class _Embeddings:
             return
         # rows are k-major: [Kw * B, ...] -> [B, Kw, ...]
         tree_map2(
-            lambda dst, src: dst[:, first : first + kw].copy_(src.reshape(kw, -1, *src.shape[1:]).transpose(0, 1)),
+            lambda dst, src: dst[:, first : first + kw].copy_(
+                src.reshape(kw, -1, *src.shape[1:]).transpose(0, 1)
+            ),
             self.tree,
             next_embedding,
         )
@@ -450,8 +464,10 @@ def _same_shapes(out: Any, next_embedding: Any, rows: int, A: int, embedding_sha
         return False
     if out.prior_logits.shape != (rows, A):
         return False
-    return embedding_shape is not None and type(next_embedding) is torch.Tensor and (
-        next_embedding.shape == (rows, *embedding_shape)
+    return (
+        embedding_shape is not None
+        and type(next_embedding) is torch.Tensor
+        and (next_embedding.shape == (rows, *embedding_shape))
     )
 
 
