@@ -19,16 +19,22 @@ returned tree, `_outputs` and every test of the tree see the same arrays as on t
 
 Why numba: it installs from pip wheels on Linux, macOS and Windows with no compiler at install time (a
 C++ extension would need one, or a wheel per platform built in CI), it compiles plain Python loops over
-numpy arrays to native code, and `cache=True` keeps the machine code on disk so only the first process
-on a machine pays the compile (~10 s per kernel signature). `nogil=True` lets self-play threads walk trees
-while another runs the network. Single-threaded on purpose: the actors already use every core.
+numpy arrays to native code, and `cache=True` keeps the machine code on disk (next to this file, or numba's
+user cache where that is read-only), so only the first process on a machine pays the compile: 4-6 s for all
+kernels on the 2-core dev machine, then ~0.5 s to load them (`warm_up`). Every kernel has one signature
+(flags are runtime arguments, unused arrays are dummies), so policies, masks and virtual loss share one
+compile. `nogil=True` lets self-play threads walk trees while another runs the network. Single-threaded on
+purpose: the actors already use every core. A C++ extension would be as fast per node, but a build step
+on every install; an eager torch tree pays ~20 µs of op dispatch per op per wave, whatever B (mctx-style
+vectorisation over B is what the torch path already does).
 
 Equality with the torch path: every float operation is float32, in the torch path's order
 (action_selection.py, qtransforms.py, search._backup), with IEEE division and no fast-math (numba does not
 contract a * b + c into an FMA without fastmath), so MuZero visit counts, values and Q are bit-identical.
 Gumbel MuZero's sums over actions (qtransforms.mixed_value) and the softmax/log of its interior rule may
 differ from torch's vectorised reductions in the last bits; the results match within float tolerance and
-the visit counts match unless two scores tie to within a few ulps.
+the visit counts match unless two scores tie to within a few ulps. (The log priors of the interior rule are
+taken once per node at its expansion, not at every visit.)
 
 Set RAYZERO_TREE_NUMBA=0, or `search.cpu_backend=torch`, to use the torch path.
 """
@@ -188,13 +194,13 @@ def _sigma_completed(edges, raw_values, b, node, maxvisit_init, value_scale, out
 
 
 @_jit
-def _gumbel_interior_scores(edges, raw_values, b, node, maxvisit_init, value_scale, score):
+def _gumbel_interior_scores(edges, raw_values, log_priors, b, node, maxvisit_init, value_scale, score):
     """action_selection.gumbel_interior_scores: softmax(log prior + sigma) - N(a) / (1 + sum N)."""
     A = score.shape[0]
     sum_visits = _sigma_completed(edges, raw_values, b, node, maxvisit_init, value_scale, score)
     top = _NEG_INF
     for a in range(A):
-        score[a] = np.log(edges[b, node, PRIOR, a]) + score[a]
+        score[a] = log_priors[b, node, a] + score[a]
         top = max(top, score[a])
     total = _ZERO
     for a in range(A):
@@ -211,6 +217,7 @@ def _select_wave(
     node_visits,  # [B, N] f32
     value_sums,  # [B, N] f32
     raw_values,  # [B, N] f32
+    log_priors,  # [B, N, A] f32 log of each non-root node's priors (gumbel), written by the expansion
     children,  # [B, N, A] i64
     vv,  # [B, N, A] f32 pending visits (virtual loss); unused unless num_walks > 1
     coef,  # [n + K + 2] f32 PUCT coefficient table
@@ -273,7 +280,9 @@ def _select_wave(
             while child != UNVISITED and child < first and d < L:
                 node = child
                 if gumbel:
-                    _gumbel_interior_scores(edges, raw_values, b, node, maxvisit_init, value_scale, score)
+                    _gumbel_interior_scores(
+                        edges, raw_values, log_priors, b, node, maxvisit_init, value_scale, score
+                    )
                 else:
                     _puct_scores(
                         edges, node_visits, value_sums, vv, use_vv, coef, b, node, low, spread, score
@@ -311,6 +320,7 @@ def _expand_backup_wave(
     node_visits,  # [B, N] f32
     value_sums,  # [B, N] f32
     raw_values,  # [B, N] f32
+    log_priors,  # [B, N, A] f32 (gumbel; written here)
     rewards,  # [B, N] f32
     discounts,  # [B, N] f32
     parents,  # [B, N] i64
@@ -318,7 +328,7 @@ def _expand_backup_wave(
     children,  # [B, N, A] i64
     value_min,  # [B] f32
     value_max,  # [B] f32
-    minmax,  # track the tree's min/max Q (muzero)
+    gumbel,  # Gumbel MuZero: keep the log priors, no min/max Q
     first,
     path_nodes,  # [Kw, B, L] i64
     path_actions,  # [Kw, B, L] i64
@@ -342,6 +352,9 @@ def _expand_backup_wave(
             node = first + k
             for a in range(A):
                 edges[b, node, PRIOR, a] = prior[i, a]
+            if gumbel:  # once per node, not at every visit of the interior rule
+                for a in range(A):
+                    log_priors[b, node, a] = np.log(prior[i, a])
             raw_values[b, node] = value[i]
             rewards[b, node] = reward[i]
             discounts[b, node] = discount[i]
@@ -373,7 +386,7 @@ def _expand_backup_wave(
                 dsc = edges[b, p, DISCOUNT, a]
                 edges[b, p, VISITS, a] = child_visits
                 edges[b, p, VALUE, a] = child_value
-                if minmax:
+                if not gumbel:
                     q = r + dsc * child_value
                     lo = min(lo, q)
                     hi = max(hi, q)
@@ -382,7 +395,7 @@ def _expand_backup_wave(
                 value_sums[b, p] += g
                 child_visits = node_visits[b, p]
                 child_value = value_sums[b, p] / child_visits
-            if minmax:
+            if not gumbel:
                 value_min[b] = lo
                 value_max[b] = hi
 
@@ -499,6 +512,7 @@ class _Arrays:
         else:
             self.root_gumbel = self.root_log_prior = np.zeros((B, A), np.float32)
             self.considered = np.zeros((1, 1), np.float32)
+        self.log_priors = np.empty((B, N, A) if ctx.gumbel else (1, 1, 1), np.float32)
         # Path buffers of a wave, reused by every wave (a last, partial wave uses the first rows).
         self.path_nodes = np.zeros((K, B, N), np.int64)
         self.path_actions = np.zeros((K, B, N), np.int64)
@@ -539,7 +553,7 @@ def simulate(
             depth, leaf, dup, flat_parent = x.depth, x.leaf, x.dup, x.flat_parent
         action = np.empty(kw * B, np.int64)  # fresh: recurrent_fn may keep it
         _select_wave(
-            x.edges, x.node_visits, x.value_sums, x.raw_values, x.children, x.vv, x.coef,
+            x.edges, x.node_visits, x.value_sums, x.raw_values, x.log_priors, x.children, x.vv, x.coef,
             x.value_min, x.value_max, x.invalid, x.has_invalid, gumbel, x.root_gumbel,
             x.root_log_prior, x.considered, w, maxvisit_init, value_scale, first, kw,
             path_nodes, path_actions, depth, leaf, dup, flat_parent, action,
@@ -552,8 +566,34 @@ def simulate(
         emb.write(first, kw, next_embedding)
         prior = torch.softmax(out.prior_logits.float(), dim=-1)
         _expand_backup_wave(
-            x.edges, x.node_visits, x.value_sums, x.raw_values, x.rewards, x.discounts, x.parents,
-            x.action_from_parent, x.children, x.value_min, x.value_max, not gumbel, first,
+            x.edges, x.node_visits, x.value_sums, x.raw_values, x.log_priors, x.rewards, x.discounts,
+            x.parents, x.action_from_parent, x.children, x.value_min, x.value_max, gumbel, first,
             path_nodes, path_actions, depth, leaf, dup, flat_parent, action,
             _np(prior), _np(out.value), _np(out.reward), _np(out.discount),
         )  # fmt: skip
+
+
+def warm_up() -> float:
+    """Compile (first process on a machine) or load from numba's cache the compiled kernels, with a tiny
+    search of each policy, virtual loss included; returns the seconds it took. Searches call the kernels
+    lazily anyway: this only moves the one-off cost out of a timed region."""
+    import time
+
+    from rayzero.tree.base import RootOutput, SearchConfig
+    from rayzero.tree.search import search
+
+    start = time.perf_counter()
+
+    def fn(action: torch.Tensor, embedding: torch.Tensor):
+        n = action.shape[0]
+        out = RecurrentOutput(torch.zeros(n), torch.ones(n), torch.zeros(n, 2), torch.zeros(n))
+        return out, embedding
+
+    root = RootOutput(torch.zeros(1, 2), torch.zeros(1), torch.zeros(1, 1))
+    for config in (
+        SearchConfig(cpu_backend="numba"),
+        SearchConfig(cpu_backend="numba", virtual_loss=2),
+        SearchConfig(cpu_backend="numba", policy="gumbel"),
+    ):
+        search(root, fn, 2, config, invalid_actions=torch.tensor([[False, True]]))
+    return time.perf_counter() - start
