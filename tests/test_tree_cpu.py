@@ -168,6 +168,14 @@ def test_embeddings_of_any_layout():
     for x, y in zip(a.tree.embeddings, b.tree.embeddings):
         assert torch.equal(x, y)
 
+    def handle_fn(action, emb):  # [B'] int64 embeddings, like the inference actor's latent handles
+        out, nxt = base(action, emb.unsqueeze(-1))
+        return out, nxt[:, 0]
+
+    root = random_root(5, A, 3)
+    a, b = both(root._replace(embedding=root.embedding[:, 0]), handle_fn, 12, virtual_loss=3)
+    assert_same_search(a, b)
+
 
 def test_backend_switch_and_fallback(monkeypatch):
     calls = []
