@@ -10,7 +10,10 @@ steps deep), so a whole search (network included) can be captured into one CUDA 
 the CPU the walk stops as soon as every tree has reached a leaf (a host check is free there); results
 are the same. On CUDA, when Triton imports and K == 1, a simulation is two fused kernels around the
 network (kernels.py: the selection walk, root choice included; the expansion writes and the backup); they
-compute the same float32 operations as the torch path, so visit counts match it.
+compute the same float32 operations as the torch path, so visit counts match it. On CPU tensors the
+selection, expansion and backup of each wave run as compiled loops instead (tree/cpu.py, numba;
+`search.cpu_backend`), with the same float32 operations; this module still initialises the roots and makes
+the outputs for both.
 
 Randomness (Dirichlet root noise, Gumbel noise, temperature sampling) is drawn with `generator`, or taken
 from `noise` (see noise.py): pass precomputed noise to replay a captured graph with fresh noise.
