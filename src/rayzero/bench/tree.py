@@ -421,7 +421,7 @@ def bench_mctx(
 
 def _versions() -> dict[str, Any]:
     v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("triton", "jax", "mctx"):
+    for name in ("numba", "numpy", "triton", "jax", "mctx"):
         try:
             mod = __import__(name)
             v[name] = getattr(mod, "__version__", "unknown")
