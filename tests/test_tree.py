@@ -41,6 +41,7 @@ def cpu_backend(request, monkeypatch):
     yield request.param
     assert bool(calls) == (request.param == "numba")
 
+
 # ------------------------------------------------------------------------------------------ models
 
 
