@@ -1,5 +1,6 @@
 """CPU tests of the batched tree search (rayzero.tree): known answers, a scalar reference search, masks,
-the Gumbel schedule, noise, virtual loss and input checks."""
+the Gumbel schedule, noise, virtual loss and input checks. The search tests run on both CPU backends (the
+torch path and the compiled tree, tree/cpu.py) through the `cpu_backend` fixture."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rayzero.tree import (
     SearchConfig,
     SearchNoise,
     sample_noise,
+    cpu,
     search,
     tree_nbytes,
 )
@@ -24,6 +26,21 @@ from rayzero.tree.noise import sample_dirichlet, sample_log_gamma
 from rayzero.tree.seq_halving import considered_visits
 
 NO_NOISE = {"dirichlet_fraction": 0.0, "temperature": 0.0}
+
+
+@pytest.fixture(params=["torch", "numba"])
+def cpu_backend(request, monkeypatch):
+    """Run the test on one CPU backend: search.cpu_backend='auto' (every config here) follows
+    RAYZERO_TREE_NUMBA, and the compiled tree's entry point is spied on to prove which one ran."""
+    if request.param == "numba" and not cpu.numba_importable():
+        pytest.skip("numba does not import")
+    monkeypatch.setenv("RAYZERO_TREE_NUMBA", "1" if request.param == "numba" else "0")
+    calls = []
+    real = cpu.simulate
+    monkeypatch.setattr(cpu, "simulate", lambda *args: calls.append(1) or real(*args))
+    yield request.param
+    assert bool(calls) == (request.param == "numba")
+
 
 # ------------------------------------------------------------------------------------------ models
 
@@ -216,7 +233,7 @@ def reference_search(
 # ------------------------------------------------------------------------------------------ tests
 
 
-def test_bandit_exact_visits_by_hand():
+def test_bandit_exact_visits_by_hand(cpu_backend):
     """Uniform priors, rewards [0.1, 0.9, 0.5], discount 0 (PUCT worked by hand, c1 = 1.25; an unvisited
     child scores the root's normalised value): sim 1 ties -> a0; sim 2: a1 (a0's prior term is halved; no
     spread yet so every Q_norm is 0); sim 3: a1, 1 + coef(3)/3 / 2 = 1.361 > a2's (0.333 - 0.1) / 0.8 +
@@ -237,7 +254,7 @@ def test_bandit_exact_visits_by_hand():
 
 
 @pytest.mark.parametrize("policy", ["muzero", "gumbel"])
-def test_bandit_best_arm_most_visits(policy):
+def test_bandit_best_arm_most_visits(policy, cpu_backend):
     fn = bandit_fn([0.2, 0.1, 0.8, 0.5, 0.3], 5)
     root = RootOutput(torch.zeros(3, 5), torch.zeros(3), torch.zeros(3, 4))
     out = search(root, fn, 60, SearchConfig(policy=policy, gumbel_scale=0.0, **NO_NOISE))
@@ -251,7 +268,7 @@ def test_bandit_best_arm_most_visits(policy):
     torch.testing.assert_close(out.root_value, expected)
 
 
-def test_two_step_model_needs_depth():
+def test_two_step_model_needs_depth(cpu_backend):
     """Action 0 pays 1.0 one step later; action 1 pays 0.6 at once, then nothing; the value net says 0."""
 
     def fn(action, emb):
@@ -277,7 +294,7 @@ def test_two_step_model_needs_depth():
 
 
 @pytest.mark.parametrize("policy", ["muzero", "gumbel"])
-def test_matches_scalar_reference(policy):
+def test_matches_scalar_reference(policy, cpu_backend):
     A, n = 4, 30
     fn = hash_model(A)
     cfg = SearchConfig(policy=policy, max_num_considered_actions=4, **NO_NOISE)
@@ -294,7 +311,7 @@ def test_matches_scalar_reference(policy):
         assert out.action[b].item() == action
 
 
-def test_tree_structure_invariants():
+def test_tree_structure_invariants(cpu_backend):
     A, n = 5, 40
     out = search(hash_root(8, A), hash_model(A), n, SearchConfig(**NO_NOISE))
     t = out.tree
@@ -321,7 +338,7 @@ def test_tree_structure_invariants():
 
 
 @pytest.mark.parametrize("policy", ["muzero", "gumbel"])
-def test_invalid_actions_per_row_and_row_independence(policy):
+def test_invalid_actions_per_row_and_row_independence(policy, cpu_backend):
     A, B, n = 6, 5, 25
     invalid = torch.zeros(B, A, dtype=torch.bool)
     invalid[0, [0, 1]] = True
@@ -348,7 +365,7 @@ def test_invalid_actions_per_row_and_row_independence(policy):
         torch.testing.assert_close(alone.action_weights[0], out.action_weights[b])
 
 
-def test_gumbel_sequential_halving_schedule():
+def test_gumbel_sequential_halving_schedule(cpu_backend):
     """m = 16 considered of 16 actions, n = 50: phases of 16 x 1, 8 x 1, 4 x 3, 2 x 6 visits, then one more
     round for the last 2: ranked visits 12, 12, 5, 5, 2, 2, 2, 2, 1 x 8 (worked by hand from the algorithm)."""
     assert considered_visits(16, 50) == tuple(
@@ -379,7 +396,7 @@ def test_gumbel_sequential_halving_schedule():
     assert out.visit_counts[0].tolist() == [6, 6, 2, 2, 1, 1, 1, 1] + [0] * 8
 
 
-def test_gumbel_improved_policy_and_determinism():
+def test_gumbel_improved_policy_and_determinism(cpu_backend):
     A, B, n = 7, 6, 20
     invalid = torch.zeros(B, A, dtype=torch.bool)
     invalid[:, 3] = True
@@ -403,7 +420,7 @@ def test_gumbel_improved_policy_and_determinism():
     assert not invalid[torch.arange(B), c1.action].any()
 
 
-def test_temperature_zero_argmax_and_seeded_sampling():
+def test_temperature_zero_argmax_and_seeded_sampling(cpu_backend):
     A, B, n = 5, 4, 30
     root = hash_root(B, A, seed=4)
     cfg0 = SearchConfig(temperature=0.0, dirichlet_fraction=0.25)
@@ -427,7 +444,7 @@ def test_temperature_zero_argmax_and_seeded_sampling():
     assert out.visit_counts[0].tolist() == [2, 2, 2, 2] and out.action.item() == 0
 
 
-def test_temperature_sampling_follows_visits():
+def test_temperature_sampling_follows_visits(cpu_backend):
     """Many identical rows with independent action noise: frequencies ~ visits^(1/T) / sum."""
     B, A = 4000, 3
     fn = bandit_fn([0.1, 0.9, 0.5], A)
@@ -465,7 +482,7 @@ def test_dirichlet_and_gamma_samplers():
     assert torch.equal(a, b)
 
 
-def test_root_noise_changes_priors_only_on_valid_actions():
+def test_root_noise_changes_priors_only_on_valid_actions(cpu_backend):
     A, B = 5, 3
     invalid = torch.tensor([[True, False, False, False, False]] * B)
     cfg = SearchConfig(dirichlet_fraction=0.5, dirichlet_alpha=0.3, temperature=0.0)
@@ -478,7 +495,7 @@ def test_root_noise_changes_priors_only_on_valid_actions():
 
 
 @pytest.mark.parametrize("K,n", [(4, 32), (4, 30), (3, 7)])
-def test_virtual_loss(K, n):
+def test_virtual_loss(K, n, cpu_backend):
     fn = bandit_fn([0.2, 0.1, 0.8, 0.5, 0.3], 5)
     B = 3
     calls = []
@@ -514,7 +531,7 @@ def test_virtual_loss_gumbel_rejected():
         search(hash_root(2, 3), hash_model(3), 8, SearchConfig(policy="gumbel", virtual_loss=2))
 
 
-def test_pytree_embedding_and_dtypes():
+def test_pytree_embedding_and_dtypes(cpu_backend):
     A = 3
 
     def fn(action, emb):
@@ -536,7 +553,7 @@ def test_pytree_embedding_and_dtypes():
     assert tree_nbytes(out.tree) > 0 and tree_nbytes(out.tree, per_tree=False) == 2 * tree_nbytes(out.tree)
 
 
-def test_max_nodes_and_bad_inputs():
+def test_max_nodes_and_bad_inputs(cpu_backend):
     A = 3
     fn = hash_model(A)
     root = hash_root(2, A)

@@ -26,7 +26,7 @@ def machine() -> dict[str, Any]:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for name in ("torch", "ray", "gymnasium", "ale_py", "numpy", "triton", "jax", "mctx"):
+    for name in ("torch", "ray", "gymnasium", "ale_py", "numpy", "numba", "triton", "jax", "mctx"):
         try:
             module = __import__(name)
             out[name] = getattr(module, "__version__", "?")

@@ -9,6 +9,13 @@ for muzero/none to bound the run); mctx on the rows that matter for comparison (
 1024, 4096, and muzero 200 simulations at B = 1024 with mlp256). --quick: B in {1, 16}, 10 simulations, CPU
 friendly.
 
+CPU rows (every run, CUDA or not): the compiled CPU tree (mode "numba", tree/cpu.py) against the torch CPU path
+(mode "torch") on one core (torch.set_num_threads(1); numba is single-threaded), net "none", 50 simulations,
+B in {1, 32, 64, 256, 1024}, both policies; median of several searches after a warm-up (numba's compile or
+cache load is timed separately as compile_s). Each row also reports the time spent inside recurrent_fn, and
+"tree-only" simulations/s without it (what LightZero's tree-only figure measures). --quick: B in {1, 16},
+10 simulations.
+
 Run: `python -m rayzero.bench.tree [--quick] [--json PATH]` (or `rayzero bench tree`).
 """
 
@@ -156,6 +163,149 @@ def bench_ours(
     return row
 
 
+CPU_BATCHES = (1, 32, 64, 256, 1024)
+CPU_MODES = ("numba", "torch")
+
+
+def bench_cpu(policy: str, B: int, n: int, mode: str, reps: int, budget_s: float) -> dict[str, Any]:
+    """One CPU row: whole searches of the compiled tree ("numba") or the torch path ("torch"), one core."""
+    from rayzero.tree import cpu
+
+    device = torch.device("cpu")
+    config = SearchConfig(policy=policy, num_simulations=n, cpu_backend=mode)
+    net = torch_model("none", device, {})
+    in_fn = [0.0]
+
+    def fn(action: torch.Tensor, emb: torch.Tensor):
+        t0 = time.perf_counter()
+        out = net(action, emb)
+        in_fn[0] += time.perf_counter() - t0
+        return out
+
+    in_compiled = [0.0]
+
+    def compiled_timer(kernel: Callable) -> Callable:
+        def timed(*args: Any) -> None:
+            t0 = time.perf_counter()
+            kernel(*args)
+            in_compiled[0] += time.perf_counter() - t0
+
+        return timed
+
+    root = torch_root("none", B, device)
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    if mode == "numba":
+        cpu.warm_up()
+    out = search(root, fn, n, config, generator=gen)
+    compile_s = time.perf_counter() - t0
+    times, fn_times, compiled_times = [], [], []
+    kernels = (cpu._select_wave, cpu._expand_backup_wave)
+    for _ in range(reps):
+        in_fn[0] = in_compiled[0] = 0.0
+        t0 = time.perf_counter()
+        search(root, fn, n, config, generator=gen)
+        times.append(time.perf_counter() - t0)
+        fn_times.append(in_fn[0])
+        if sum(times) > budget_s and len(times) >= 3:
+            break
+    if mode == "numba":  # a few more searches with the compiled calls timed (not in the figures above)
+        cpu._select_wave, cpu._expand_backup_wave = (compiled_timer(k) for k in kernels)
+        try:
+            for _ in range(3):
+                in_compiled[0] = 0.0
+                search(root, fn, n, config, generator=gen)
+                compiled_times.append(in_compiled[0])
+        finally:
+            cpu._select_wave, cpu._expand_backup_wave = kernels
+    order = sorted(range(len(times)), key=times.__getitem__)
+    mid = order[len(order) // 2]
+    sec, fn_sec = times[mid], fn_times[mid]
+    row = _row("rayzero", "none", policy, B, n, f"cpu-{mode}", sec)
+    row.update(
+        ms_min=round(min(times) * 1000.0, 4),
+        searches_timed=len(times),
+        recurrent_fn_ms=round(fn_sec * 1000.0, 4),
+        tree_only_ms=round((sec - fn_sec) * 1000.0, 4),
+        tree_only_simulations_per_s=round(B * n / (sec - fn_sec), 1),
+        compile_s=round(compile_s, 3),
+        tree_bytes_per_tree=tree_nbytes(out.tree),
+    )
+    if compiled_times:  # selection + expansion/backup calls alone, the rest being Python and torch glue
+        row["compiled_calls_ms"] = round(min(compiled_times) * 1000.0, 4)
+        row["compiled_calls_simulations_per_s"] = round(B * n / min(compiled_times), 1)
+    return row
+
+
+def cpu_rows(quick: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """The CPU rows (numba and torch, one core); restores torch's thread count afterwards."""
+    from rayzero.tree import cpu
+
+    batches, n = ((1, 16), 10) if quick else (CPU_BATCHES, 50)
+    reps, budget = (3, 2.0) if quick else (15, 3.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    try:
+        for policy in ("muzero", "gumbel"):
+            for B in batches:
+                for mode in CPU_MODES:
+                    if mode == "numba" and not cpu.numba_importable():
+                        errors.append("numba not importable: no cpu-numba rows")
+                        continue
+                    try:
+                        rows.append(bench_cpu(policy, B, n, mode, reps, budget))
+                        _print_row(rows[-1])
+                    except Exception as err:  # noqa: BLE001 - keep going: report what failed
+                        errors.append(f"rayzero cpu-{mode} {policy} B={B} n={n}: {type(err).__name__}: {err}")
+    finally:
+        torch.set_num_threads(threads)
+    return rows, errors
+
+
+def cpu_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """numba vs torch per (policy, B): speed-up, and the issue's bars (>= 250 K simulations/s at B = 32 and
+    64, one root's search <= 0.5 ms, B = 256 / 1024 no slower than torch)."""
+    out = []
+    for r in rows:
+        if r["mode"] != "cpu-numba":
+            continue
+        peer = next(
+            (
+                t
+                for t in rows
+                if t["mode"] == "cpu-torch" and t["policy"] == r["policy"] and t["batch"] == r["batch"]
+            ),
+            None,
+        )
+        entry = {
+            "policy": r["policy"],
+            "batch": r["batch"],
+            "num_simulations": r["num_simulations"],
+            "numba_ms": r["ms_per_search"],
+            "torch_ms": peer["ms_per_search"] if peer else None,
+            "speedup": round(peer["ms_per_search"] / r["ms_per_search"], 2) if peer else None,
+            "numba_simulations_per_s": r["simulations_per_s"],
+            "numba_tree_only_simulations_per_s": r["tree_only_simulations_per_s"],
+            "numba_compiled_calls_ms": r.get("compiled_calls_ms"),
+        }
+        B = r["batch"]
+        if r["num_simulations"] == 50 and B in (32, 64):
+            entry["bar"] = ">= 250,000 simulations/s"
+            entry["bar_met"] = r["simulations_per_s"] >= 250_000
+        elif r["num_simulations"] == 50 and B == 1:
+            entry["bar"] = "<= 0.5 ms per search"
+            entry["bar_met"] = r["ms_per_search"] <= 0.5
+            entry["bar_met_tree_only"] = r["tree_only_ms"] <= 0.5
+            entry["bar_met_compiled_calls"] = r.get("compiled_calls_ms", float("inf")) <= 0.5
+        elif r["num_simulations"] == 50 and B in (256, 1024) and peer:
+            entry["bar"] = "no slower than torch"
+            entry["bar_met"] = r["ms_per_search"] <= peer["ms_per_search"]
+        out.append(entry)
+    return out
+
+
 def _row(impl: str, net: str, policy: str, B: int, n: int, mode: str, sec: float) -> dict[str, Any]:
     return {
         "impl": impl,
@@ -267,12 +417,15 @@ def bench_mctx(
 
 
 def _plan(quick: bool, cuda: bool) -> tuple[list[tuple], list[tuple]]:
-    """(ours, mctx) row keys: (net, policy, B, n, mode) and (net, policy, B, n)."""
+    """(ours, mctx) row keys: (net, policy, B, n, mode) and (net, policy, B, n); on the device of the run
+    (CPU rows of the compiled tree and the torch path come from `cpu_rows`)."""
     nets, policies = ("none", "mlp256"), ("muzero", "gumbel")
     modes = ("eager", "graph") if cuda else ("eager",)
     if quick:
         ours = [(net, p, B, 10, m) for net in nets for p in policies for B in (1, 16) for m in modes]
         theirs = [(net, p, B, 10) for net in nets for p in policies for B in (1, 16)]
+        if not cuda:
+            ours = [o for o in ours if o[0] != "none"]
         return ours, theirs
     ours = []
     for net in nets:
@@ -289,6 +442,7 @@ def _plan(quick: bool, cuda: bool) -> tuple[list[tuple], list[tuple]]:
     theirs.append(("mlp256", "muzero", 1024, 200))
     if not cuda:
         theirs = [t for t in theirs if t[2] * t[3] <= 256 * 50]
+        ours = [o for o in ours if o[0] != "none"]  # the CPU rows time net "none" on one core, both backends
     return ours, theirs
 
 
@@ -307,6 +461,9 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
             _print_row(rows[-1])
         except Exception as err:  # noqa: BLE001 - keep going: report what failed
             errors.append(f"rayzero {net} {p} B={B} n={n} {m}: {type(err).__name__}: {err}")
+    cpu, cpu_errors = cpu_rows(quick)
+    rows.extend(cpu)
+    errors.extend(cpu_errors)
     if _mctx_modules() is not None:
         for net, p, B, n in mctx_plan:
             try:
@@ -317,11 +474,13 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
     else:
         errors.append("mctx/jax not importable: no mctx rows")
     ratios = _ratios(rows)
+    summary = cpu_summary(rows)
     _print_table(rows, ratios, errors)
+    _print_cpu_summary(summary)
     return write_json(json_path, "tree", {
         "quick": quick, "device": str(device), "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
-        "rows": rows, "ratios": ratios, "errors": errors,
+        "rows": rows, "ratios": ratios, "cpu_summary": summary, "errors": errors,
     })
 
 
@@ -351,16 +510,39 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 _HEADER = (
-    f"{'impl':8} {'net':7} {'policy':7} {'B':>5} {'sims':>5} {'mode':6} {'ms/search':>10} {'sims/s':>12}"
+    f"{'impl':8} {'net':7} {'policy':7} {'B':>5} {'sims':>5} {'mode':9} {'ms/search':>10} {'sims/s':>12}"
+    f" {'fn ms':>8} {'tree-only sims/s':>17}"
 )
 
 
 def _print_row(r: dict[str, Any]) -> None:
+    extra = ""
+    if "tree_only_simulations_per_s" in r:
+        extra = f" {r['recurrent_fn_ms']:8.3f} {r['tree_only_simulations_per_s']:17.0f}"
     print(
-        f"{r['impl']:8} {r['net']:7} {r['policy']:7} {r['batch']:5d} {r['num_simulations']:5d} {r['mode']:6} "
-        f"{r['ms_per_search']:10.3f} {r['simulations_per_s']:12.0f}",
+        f"{r['impl']:8} {r['net']:7} {r['policy']:7} {r['batch']:5d} {r['num_simulations']:5d} {r['mode']:9} "
+        f"{r['ms_per_search']:10.3f} {r['simulations_per_s']:12.0f}{extra}",
         flush=True,
     )
+
+
+def _print_cpu_summary(summary: list[dict[str, Any]]) -> None:
+    if not summary:
+        return
+    print("\ncompiled CPU tree (numba) vs torch CPU path, one core (ms per search, median)")
+    for e in summary:
+        torch_ms = f"{e['torch_ms']:9.3f}" if e["torch_ms"] is not None else "        -"
+        speed = f"{e['speedup']:6.1f}x" if e["speedup"] is not None else "      -"
+        bar = ""
+        if "bar" in e:
+            bar = f"  bar {e['bar']}: {'met' if e['bar_met'] else 'NOT met'}"
+            if "bar_met_tree_only" in e:
+                bar += f" (tree only: {'met' if e['bar_met_tree_only'] else 'NOT met'}"
+                bar += f"; compiled calls {e['numba_compiled_calls_ms']:.3f} ms)"
+        print(
+            f"  {e['policy']:7} B={e['batch']:5d} numba {e['numba_ms']:9.3f} torch {torch_ms} {speed} "
+            f"{e['numba_simulations_per_s']:11.0f} sims/s{bar}"
+        )
 
 
 def _print_table(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], errors: list[str]) -> None:

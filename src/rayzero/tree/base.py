@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 POLICIES = ("muzero", "gumbel")
+CPU_BACKENDS = ("auto", "numba", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,9 @@ class SearchConfig:
     triton: bool = True
     """CUDA: run the selection walk and the backup as fused Triton kernels (kernels.py) when triton imports and
     virtual_loss=1; False = the torch path (the `use_triton` argument of `search()` wins when given)."""
+    cpu_backend: str = "auto"
+    """Tree walk of searches on CPU tensors: 'numba' (compiled, tree/cpu.py), 'torch' (the eager torch
+    path), 'auto' = numba when it imports (and RAYZERO_TREE_NUMBA != 0), else torch. Same results."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -62,6 +66,7 @@ class SearchConfig:
             ("gumbel_scale", self.gumbel_scale >= 0, ">= 0"),
             ("virtual_loss", self.virtual_loss >= 1, ">= 1"),
             ("max_nodes", self.max_nodes >= 0, ">= 0"),
+            ("cpu_backend", self.cpu_backend in CPU_BACKENDS, f"one of {CPU_BACKENDS}"),
         ]
         for name, ok, valid in checks:
             if not ok:

@@ -10,7 +10,10 @@ steps deep), so a whole search (network included) can be captured into one CUDA 
 the CPU the walk stops as soon as every tree has reached a leaf (a host check is free there); results
 are the same. On CUDA, when Triton imports and K == 1, a simulation is two fused kernels around the
 network (kernels.py: the selection walk, root choice included; the expansion writes and the backup); they
-compute the same float32 operations as the torch path, so visit counts match it.
+compute the same float32 operations as the torch path, so visit counts match it. On CPU tensors the
+selection, expansion and backup of each wave run as compiled loops instead (tree/cpu.py, numba;
+`search.cpu_backend`), with the same float32 operations; this module still initialises the roots and makes
+the outputs for both.
 
 Randomness (Dirichlet root noise, Gumbel noise, temperature sampling) is drawn with `generator`, or taken
 from `noise` (see noise.py): pass precomputed noise to replay a captured graph with fresh noise.
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 
-from rayzero.tree import kernels
+from rayzero.tree import cpu, kernels
 from rayzero.tree.action_selection import (
     gumbel_interior_scores,
     gumbel_root_scores,
@@ -117,10 +120,14 @@ def search(
             f"(device={device}, triton={kernels.triton_importable()}, virtual_loss={K})"
         )
     triton = (triton_ok and config.triton) if use_triton is None else bool(use_triton)
+    compiled_cpu = cpu.use_numba(device, config.cpu_backend)  # tree/cpu.py: numba waves on CPU tensors
 
     tree = allocate_tree(B, N, A, embedding, device=device, virtual_loss=K > 1)
     ctx = _Context(tree, config, invalid, n, K, device)
     _init_root(tree, ctx, logits, value, embedding, noise, generator)
+    if compiled_cpu:
+        cpu.simulate(tree, ctx, recurrent_fn, _check_recurrent)
+        return _outputs(tree, ctx, noise, generator)
 
     num_waves = -(-n // K)
     for w in range(num_waves):

@@ -1,0 +1,218 @@
+"""The compiled CPU tree (rayzero.tree.cpu, numba) against the torch path: whole trees equal on random
+deterministic models for both policies, with masks, noise, virtual loss and odd embeddings; the backend
+switch and its fallback. The known-answer search tests in test_tree.py run on both backends too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, cpu, sample_noise, search
+
+pytestmark = pytest.mark.skipif(not cpu.numba_importable(), reason="numba does not import")
+
+TREE_FIELDS = (
+    "node_visits",
+    "value_sums",
+    "raw_values",
+    "rewards",
+    "discounts",
+    "parents",
+    "action_from_parent",
+    "children_index",
+    "edges",
+    "value_min",
+    "value_max",
+)
+
+_MULT = 6364136223846793005
+_INC = 1442695040888963407
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    h = h * _MULT + _INC
+    return h ^ (h >> 29)
+
+
+def _unit(h: torch.Tensor, shift: int) -> torch.Tensor:
+    """Float in [0, 1) from 23 bits of h: continuous-looking values, so ties are as rare as in real use."""
+    return ((h >> shift) & 0x7FFFFF).to(torch.float32) / float(1 << 23)
+
+
+def random_model(num_actions: int, terminal_rate: float = 0.1):
+    """A deterministic random environment model on int64 states [B', 1]: every output is a function of
+    (state, action) alone, computed row by row, so both backends see the same bits at any batch size."""
+    salts = torch.arange(1, num_actions + 1, dtype=torch.int64) * 0x1E3779B97F4A7C15
+
+    def fn(action: torch.Tensor, emb: torch.Tensor):
+        h = _mix(emb[:, 0] * 31 + action + 7)
+        lh = _mix(h.unsqueeze(-1) ^ salts)
+        terminal = _unit(h, 5) < terminal_rate
+        out = RecurrentOutput(
+            reward=_unit(h, 3) * 2 - 1,
+            discount=torch.where(terminal, 0.0, 0.97),
+            prior_logits=_unit(lh, 11) * 6 - 3,
+            value=_unit(h, 17) * 2 - 1,
+        )
+        return out, h.unsqueeze(-1)
+
+    return fn
+
+
+def random_root(batch: int, num_actions: int, seed: int) -> RootOutput:
+    state = _mix(torch.arange(batch, dtype=torch.int64) + 7919 * seed + 1)
+    out, _ = random_model(num_actions)(torch.zeros(batch, dtype=torch.int64), state.unsqueeze(-1))
+    return RootOutput(out.prior_logits, out.value, state.unsqueeze(-1))
+
+
+def random_invalid(batch: int, num_actions: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    invalid = torch.rand(batch, num_actions, generator=g) < 0.35
+    keep = torch.randint(num_actions, (batch,), generator=g)
+    invalid[torch.arange(batch), keep] = False  # every row keeps a legal action
+    return invalid
+
+
+def both(root, fn, n, invalid=None, seed=0, **cfg):
+    """(torch path, compiled tree) outputs of the same search, with the same generator seed."""
+    outs = []
+    for backend in ("torch", "numba"):
+        config = SearchConfig(cpu_backend=backend, **cfg)
+        outs.append(search(root, fn, n, config, invalid, torch.Generator().manual_seed(seed)))
+    return outs
+
+
+def assert_same_search(a, b, exact_floats: bool = True) -> None:
+    assert torch.equal(a.visit_counts, b.visit_counts)
+    assert torch.equal(a.action, b.action)
+    if exact_floats:
+        for name in TREE_FIELDS:
+            assert torch.equal(getattr(a.tree, name), getattr(b.tree, name)), name
+        assert torch.equal(a.action_weights, b.action_weights)
+        assert torch.equal(a.root_value, b.root_value)
+        assert torch.equal(a.qvalues, b.qvalues)
+    else:
+        for name in ("node_visits", "parents", "action_from_parent", "children_index"):
+            assert torch.equal(getattr(a.tree, name), getattr(b.tree, name)), name
+        torch.testing.assert_close(a.tree.edges, b.tree.edges)
+        torch.testing.assert_close(a.action_weights, b.action_weights)
+        torch.testing.assert_close(a.root_value, b.root_value)
+        torch.testing.assert_close(a.qvalues, b.qvalues)
+    assert torch.equal(a.tree.embeddings, b.tree.embeddings)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("masked", [False, True])
+def test_muzero_random_trees_bit_identical(seed, masked):
+    """MuZero PUCT with Dirichlet noise and temperature sampling: the whole tree, bit for bit."""
+    B, A, n = 24, 9, 48
+    invalid = random_invalid(B, A, seed) if masked else None
+    a, b = both(random_root(B, A, seed), random_model(A), n, invalid, seed, temperature=1.0)
+    assert_same_search(a, b)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("masked", [False, True])
+def test_gumbel_random_trees_match(seed, masked):
+    """Gumbel MuZero with Gumbel noise: same visit counts and tree, floats within fp tolerance (its sums
+    over actions and its interior softmax may round differently from torch's vectorised kernels)."""
+    B, A, n = 24, 9, 48
+    invalid = random_invalid(B, A, seed) if masked else None
+    cfg = {"policy": "gumbel", "max_num_considered_actions": 6}
+    a, b = both(random_root(B, A, seed), random_model(A), n, invalid, seed, **cfg)
+    assert_same_search(a, b, exact_floats=False)
+
+
+@pytest.mark.parametrize("K,n", [(2, 30), (4, 31), (8, 16)])
+def test_virtual_loss_bit_identical(K, n):
+    B, A = 12, 5
+    a, b = both(random_root(B, A, 3), random_model(A), n, random_invalid(B, A, 3), 3, virtual_loss=K)
+    assert_same_search(a, b)
+    assert (a.tree.node_visits == 0).any()  # some walks of a wave met: the duplicate-leaf path ran
+
+
+def test_deep_trees_and_odd_sizes():
+    """One action (a chain as deep as the search), two actions, and B = 1."""
+    for A, B in ((1, 3), (2, 5), (18, 1)):
+        for policy in ("muzero", "gumbel"):
+            a, b = both(random_root(B, A, A), random_model(A, 0.0), 40, None, 1, policy=policy)
+            assert_same_search(a, b, exact_floats=policy == "muzero")
+
+
+def test_precomputed_noise_and_inference_mode():
+    B, A, n = 8, 6, 20
+    root, fn = random_root(B, A, 5), random_model(A)
+    for policy in ("muzero", "gumbel"):
+        cfg = {"policy": policy, "temperature": 0.5}
+        noise = sample_noise(SearchConfig(**cfg), B, A, generator=torch.Generator().manual_seed(2))
+        with torch.inference_mode():
+            a = search(root, fn, n, SearchConfig(cpu_backend="torch", **cfg), noise=noise)
+            b = search(root, fn, n, SearchConfig(cpu_backend="numba", **cfg), noise=noise)
+        assert_same_search(a, b, exact_floats=policy == "muzero")
+
+
+def test_embeddings_of_any_layout():
+    """Pytree and bfloat16 embeddings take the torch gather/copy; results still match."""
+    A = 4
+    base = random_model(A)
+
+    def pytree_fn(action, emb):
+        state, extra = emb
+        out, nxt = base(action, state)
+        return out, (nxt, extra.to(torch.bfloat16) + 1)
+
+    root = random_root(3, A, 1)
+    root = root._replace(embedding=(root.embedding, torch.zeros(3, 2, 2, dtype=torch.bfloat16)))
+    a, b = both(root, pytree_fn, 12)
+    assert torch.equal(a.visit_counts, b.visit_counts)
+    for x, y in zip(a.tree.embeddings, b.tree.embeddings):
+        assert torch.equal(x, y)
+
+    def handle_fn(action, emb):  # [B'] int64 embeddings, like the inference actor's latent handles
+        out, nxt = base(action, emb.unsqueeze(-1))
+        return out, nxt[:, 0]
+
+    root = random_root(5, A, 3)
+    a, b = both(root._replace(embedding=root.embedding[:, 0]), handle_fn, 12, virtual_loss=3)
+    assert_same_search(a, b)
+
+
+def test_backend_switch_and_fallback(monkeypatch):
+    calls = []
+    real = cpu.simulate
+    monkeypatch.setattr(cpu, "simulate", lambda *args: calls.append(1) or real(*args))
+    root, fn = random_root(2, 3, 0), random_model(3)
+    search(root, fn, 4, SearchConfig())
+    assert calls == [1]  # auto: compiled when numba imports
+    search(root, fn, 4, SearchConfig(cpu_backend="torch"))
+    assert calls == [1]
+    monkeypatch.setenv("RAYZERO_TREE_NUMBA", "0")
+    search(root, fn, 4, SearchConfig())
+    assert calls == [1]
+    with pytest.raises(ValueError, match="cpu_backend='numba'"):
+        search(root, fn, 4, SearchConfig(cpu_backend="numba"))
+    monkeypatch.delenv("RAYZERO_TREE_NUMBA")
+    monkeypatch.setattr(cpu, "_NUMBA", False)  # as where numba is not installed
+    search(root, fn, 4, SearchConfig())
+    assert calls == [1]
+    with pytest.raises(ValueError, match="numba does not import"):
+        search(root, fn, 4, SearchConfig(cpu_backend="numba"))
+    with pytest.raises(ValueError, match="search.cpu_backend"):
+        SearchConfig(cpu_backend="c++")
+
+
+def test_bad_recurrent_output_on_a_later_wave():
+    """Shapes are re-checked on every wave (the compiled code has no bounds checks)."""
+    A = 3
+    base = random_model(A)
+    calls = [0]
+
+    def flaky(action, emb):
+        calls[0] += 1
+        out, nxt = base(action, emb)
+        if calls[0] == 3:
+            out = out._replace(prior_logits=out.prior_logits[:, :2])
+        return out, nxt
+
+    with pytest.raises(ValueError, match="prior_logits of shape"):
+        search(random_root(2, A, 0), flaky, 6, SearchConfig(cpu_backend="numba"))
