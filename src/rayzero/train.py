@@ -32,6 +32,8 @@ from rayzero.storage import RunStorage
 __all__ = ["Driver", "check_fresh", "check_resumable", "train"]
 
 log = logger(__name__)
+MAX_RESTARTS_IN_A_ROW = 5
+"""Failures in a row of an evaluation or reanalyse actor (each restarted by Ray) before the run stops."""
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
 """What a run dir holds once a run has started in it."""
 
@@ -142,6 +144,7 @@ class Driver:
         self.weights: Any = None  # ref of the latest published (version, state_dict)
         self.eval_weights: Any = None  # the weights the evaluation in flight plays with
         self.solved_weights: Any = None  # the weights whose evaluation met run.stop_return
+        self.failures: dict[tuple[str, int], int] = {}  # (role, index) -> failures in a row of restartable actors
         self.learner_version = 0  # of the weights the learner last published
         self.acting_versions: dict[int, int] = {}  # self-play actor -> weight version of its last collect
         self.replay_stats_before: dict | None = None  # replay diagnostics at the previous progress row
@@ -294,16 +297,35 @@ class Driver:
                 self.save_checkpoint(handles)
         elif call.role == REANALYSE:
             try:
-                self.counters.reanalysed += ray.get(ref)["positions"]
-            except ray.exceptions.RayActorError as error:  # Ray restarts the worker; the loop goes on
-                log.info("reanalyse worker %d failed (%s); retrying", call.index, type(error).__name__)
+                positions = ray.get(ref)["positions"]
+            except ray.exceptions.RayActorError as error:  # Ray restarts the worker; the schedule calls it again
+                self._restartable_failed("reanalyse", call.index, error)
+                return
+            self.failures.pop(("reanalyse", call.index), None)
+            self.counters.reanalysed += positions
         else:
-            result = ray.get(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayActorError as error:  # Ray restarts the evaluation actor
+                self._restartable_failed("evaluation", call.index, error)
+                self.schedule.evaluated(time.perf_counter())  # the next one at the next interval
+                return
+            self.failures.pop(("evaluation", call.index), None)
             self._record_eval(result, metrics)
             self.schedule.evaluated(time.perf_counter())
             if self.config.run.stop_return and result["mean"] >= self.config.run.stop_return:
                 self.stop_reason = "stop_return"
                 self.solved_weights = self.eval_weights
+
+    def _restartable_failed(self, role: str, index: int, error: Exception) -> None:
+        """A role that Ray restarts lost its actor: the schedule calls it again; many failures in a row are a bug,
+        not a lost node, and stop the run."""
+        key = (role, index)
+        self.failures[key] = self.failures.get(key, 0) + 1
+        if self.failures[key] > MAX_RESTARTS_IN_A_ROW:
+            raise RuntimeError(f"the {role} actor failed {self.failures[key]} times in a row; last: {error}") from error
+        log.warning("%s actor %d failed (%s); Ray restarts it and it is called again", role, index,
+                    type(error).__name__)
 
     def _add_collect(self, result: dict[str, Any]) -> None:
         self.counters.env_steps += result["env_steps"]
@@ -342,10 +364,17 @@ class Driver:
         if not waited:
             return
         ray.wait(waited, num_returns=len(waited), timeout=120)
+        failed = None
         for ref, call in self.pending.items():
             try:
                 result = ray.get(ref, timeout=0)
-            except Exception:  # noqa: BLE001 - work cut off at shutdown is dropped
+            except ray.exceptions.GetTimeoutError:  # cut off at shutdown (or an actor that never started)
+                continue
+            except Exception as error:  # noqa: BLE001 - logged; a learner's failure is raised below
+                log.warning("%s call %d failed while the run ended: %s", call.role, call.index,
+                            str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__)
+                if call.role == LEARN:
+                    failed = error
                 continue
             if call.role == COLLECT:
                 self._add_collect(result)
@@ -354,6 +383,8 @@ class Driver:
             elif call.role == REANALYSE:
                 self.counters.reanalysed += result["positions"]
         self.pending.clear()
+        if failed is not None:  # a NaN loss or a dead learner: no checkpoint of what it left
+            raise failed
 
     # -- records ---------------------------------------------------------------------------------------
 
@@ -404,13 +435,12 @@ class Driver:
     def _finish(self, handles: cluster.Handles, metrics: MetricsLog) -> dict[str, Any]:
         """The final evaluation (unless the last one played the final weights), checkpoint and summary.json."""
         run = self.config.run
-        final_weights = handles.learner.weights.remote()
+        self._publish(handles, wait=True)  # the inference actor (which evaluation may search with) serves them too
+        final_weights = self.weights
         version = ray.get(final_weights)[0]
         if self.last_eval is None or self.last_eval["version"] != version or \
                 len(self.last_eval["returns"]) != run.eval_episodes:
-            result = ray.get(handles.evaluation.evaluate.remote(final_weights, run.eval_episodes, run.eval_max_steps,
-                                                                run.seed + 10_000))
-            self._record_eval(result, metrics)
+            self._record_eval(self._final_evaluation(handles, final_weights), metrics)
         path = self.save_checkpoint(handles)
         summary = self._summary(handles, version, path)
         tmp = self.run_dir / "summary.json.tmp"
@@ -422,6 +452,16 @@ class Driver:
                  f"{self.counters.env_steps:,d}", f"{self.counters.learner_steps:,d}", summary["wall_seconds"],
                  summary["eval_return_mean"], summary["eval_return_std"])
         return summary
+
+    def _final_evaluation(self, handles: cluster.Handles, weights: Any) -> dict[str, Any]:
+        """The final evaluation; once more if its actor died (Ray restarts it)."""
+        run = self.config.run
+        args = (weights, run.eval_episodes, run.eval_max_steps, run.seed + 10_000)
+        try:
+            return ray.get(handles.evaluation.evaluate.remote(*args))
+        except ray.exceptions.RayActorError as error:
+            log.warning("the evaluation actor failed in the final evaluation (%s); once more", type(error).__name__)
+            return ray.get(handles.evaluation.evaluate.remote(*args))
 
     def _summary(self, handles: cluster.Handles, version: int, checkpoint: Path) -> dict[str, Any]:
         replay_stats = handles.replay.stats()
