@@ -772,8 +772,11 @@ def test_emulated_cuda_batches_beyond_the_ladder_run_on_the_compute_stream(emula
     assert root["version"] == 1 and srv.stats()["errors"] == 0
 
 
-def test_selfplay_in_whole_search_mode_through_ray():
-    """Central mode with whole searches (the GPU default), here on the CPU: one inference call per env step."""
+@pytest.mark.parametrize("whole_search", [True, False], ids=["gpu-search", "cpu-search"])
+def test_selfplay_in_halves_through_ray(whole_search):
+    """Central mode, here on the CPU. Whole searches (the GPU default): each half of the envs has its search in
+    flight while the other steps. CPU search: the two halves walk their trees in two threads, each through its
+    own channel and latent slots. Either way every env's steps reach replay once, in order."""
     import ray
 
     from rayzero.actors.network import RemoteNetwork
@@ -792,11 +795,21 @@ def test_selfplay_in_whole_search_mode_through_ray():
         worker = SelfPlayWorker(
             EnvConfig(id="CartPole-v1", num_envs=3), MODEL, search_cfg,
             ReplayConfig(capacity=1000, segment_length=10, min_size=0), seed=0, sink=replay.add,
-            evaluator=RemoteNetwork(actor, 0.99, "sp-0", whole_search=True),
+            evaluator=RemoteNetwork(actor, 0.99, "sp-0", whole_search=whole_search),
         )
+        assert len(worker.halves) == 2 and worker.threaded == (not whole_search)
         result = worker.collect(30, temperature=1.0)
-        assert result["env_steps"] == 90 and result["transitions_sent"] > 0
+        assert result["env_steps"] == 90 and result["transitions_sent"] > 0 and len(result["step_seconds"]) == 30
         batch = replay.sample(8)
         np.testing.assert_allclose(batch.target_policies[:, 0].sum(-1), 1.0, rtol=1e-5)
+        # CartPole observations follow from each other: within a stored segment, no step is lost or repeated.
+        a = replay._arrays
+        for start in np.unique(a["seg_start"][a["alive"]]):
+            obs = a["obs"][start:start + a["seg_len"][start]]
+            assert len(np.unique(obs, axis=0)) == len(obs)
+        clients = ray.get(actor.stats.remote())["channel_clients"]
+        if not whole_search:
+            assert {"sp-0-half0", "sp-0-half1"} <= set(clients)
+        assert ray.get(actor.stats.remote())["errors"] == 0
     finally:
         ray.shutdown()

@@ -74,3 +74,8 @@ def test_the_plan_prints_as_a_table_and_saves_as_json():
     assert [line.split()[0] for line in lines[1:]] == ["replay", "learner", "selfplay", "evaluation", "inference"]
     document = json.loads(json.dumps(plan.as_dict()))
     assert document["inference"]["device"] == "cuda" and document["selfplay"]["envs"] == 16
+
+
+def test_search_device_cpu_keeps_the_searches_on_the_self_play_actors():
+    plan = cluster.plan(config_lib.load("atari", ["search.device=cpu"]), {"CPU": 16.0, "GPU": 1.0})
+    assert plan.inference is not None and plan.inference.device == "cuda" and not plan.whole_search

@@ -76,6 +76,11 @@ class RemoteNetwork:
         self.submit_search(obs, temperature)
         return self.wait_search()
 
+    def twin(self, suffix: str) -> RemoteNetwork:
+        """Another client of the same inference actor, with its own channel and latent slots (a search of its
+        own can run beside this one's, in another thread)."""
+        return RemoteNetwork(self.server, self.discount, f"{self.client_id}-{suffix}", self.whole_search, self.channel)
+
     def submit_search(self, obs: np.ndarray, temperature: float, slot: int = 0) -> None:
         """Send a whole search without waiting; `wait_search(slot)` collects it. Each slot holds one search in
         flight (its own channel), so a caller can keep two going: one per half of its envs."""

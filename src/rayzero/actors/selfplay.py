@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from collections.abc import Callable
 
@@ -43,16 +44,23 @@ class SelfPlayWorker:
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.num_envs = env_cfg.num_envs
-        pipelined = (getattr(evaluator, "whole_search", False) and hasattr(evaluator, "submit_search")
-                     and self.num_envs >= 2)
-        sizes = [self.num_envs // 2, self.num_envs - self.num_envs // 2] if pipelined else [self.num_envs]
+        remote = hasattr(evaluator, "submit_search")  # the inference actor serves this worker
+        # GPU search: each half's whole search in flight while the other half steps. CPU search (the inference
+        # actor only evaluates leaves): the two halves walk their trees in two threads, so one half's leaves are
+        # on the GPU while the other's tree walk runs (the compiled tree releases the GIL).
+        self.threaded = remote and not evaluator.whole_search and self.num_envs >= 2
+        halves = remote and self.num_envs >= 2
+        sizes = [self.num_envs // 2, self.num_envs - self.num_envs // 2] if halves else [self.num_envs]
         # One vector env per half; env i of the worker is row i of the buffers (half h holds rows offsets[h]...).
         self.halves = []
         offset = 0
         for h, size in enumerate(sizes):
             env = make_vector_env(env_cfg, size, seed + 7919 * h, training=True)
-            self.halves.append(_Half(env, np.arange(offset, offset + size), env.reset(seed=seed + 7919 * h)))
+            network = evaluator.twin(f"half{h}") if self.threaded else None  # its own channel and latent slots
+            self.halves.append(_Half(env, np.arange(offset, offset + size), env.reset(seed=seed + 7919 * h),
+                                     network=network, generator=torch.Generator().manual_seed(seed + 7919 * h)))
             offset += size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="search") if self.threaded else None
         self.env = self.halves[0].env
         spec = self.env.spec
         self.search_cfg = search_cfg
@@ -108,6 +116,8 @@ class SelfPlayWorker:
     def step(self, temperature: float) -> list[Segment]:
         """One env step of every env: search, act, record; returns the segments completed by this step."""
         self._last_episodes = ([], [])
+        if self.threaded:
+            return self._step_threaded(temperature)
         if len(self.halves) > 1:
             return self._step_pipelined(temperature)
         half = self.halves[0]
@@ -135,6 +145,19 @@ class SelfPlayWorker:
             segments += self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
             self.evaluator.submit_search(half.obs, temperature, slot)
             half.searching = True
+        return segments
+
+    def _step_threaded(self, temperature: float) -> list[Segment]:
+        """Both halves search at once (the second in the pool's thread), each through its own network, then
+        both step their envs."""
+        config = dataclasses.replace(self.search_cfg, temperature=temperature)
+        first, second = self.halves
+        future = self._pool.submit(search_observations, second.network, second.obs, config, second.generator)
+        outs = [search_observations(first.network, first.obs, config, first.generator), future.result()]
+        segments = []
+        for half, out in zip(self.halves, outs):
+            segments += self._advance(half, out.action.cpu().numpy(), out.action_weights.float().cpu().numpy(),
+                                      out.root_value.float().cpu().numpy())
         return segments
 
     def _advance(self, half: _Half, actions: np.ndarray, policy: np.ndarray,
@@ -215,9 +238,13 @@ class SelfPlayWorker:
 @dataclasses.dataclass
 class _Half:
     """A vector env of some of the worker's envs: `rows` are their rows in the buffers; `obs` what they act on
-    next; `searching`: their search is in flight."""
+    next; `searching`: their whole search is in flight."""
 
     env: Any
     rows: np.ndarray
     obs: np.ndarray
     searching: bool = False
+    network: Any = None
+    """CPU search with the inference actor: this half's own network (channel and latent slots)."""
+    generator: torch.Generator | None = None
+    """This half's random stream for search noise (threaded halves must not share one)."""

@@ -6,7 +6,8 @@ reports env steps/s and frames/s in the steady state, the env-only ceiling measu
 actors stepping the same envs with random actions), their ratio, the decision latency per step (p50, p99;
 every env of an actor waits one batched step for its next action), one env alone (p50, p99), GPU utilisation
 and energy per env step (NVML), and how full the inference actor's batches were. On a GPU host the
-default rows are the `atari` preset at 50 and 200 simulations.
+default rows are the `atari` preset at 50 and 200 simulations, and with `search.device=cpu` (trees walked by
+the self-play actors, leaves evaluated by the inference actor).
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
@@ -224,7 +225,7 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
     if quick:
         variants = [("cartpole", ["inference.mode=central", "cluster.num_selfplay_actors=1", "env.num_envs=8"])]
     elif gpu:
-        variants = [("atari", []), ("atari", ["search.num_simulations=200"])]
+        variants = [("atari", []), ("atari", ["search.num_simulations=200"]), ("atari", ["search.device=cpu"])]
     else:
         variants = [("cartpole", ["inference.mode=central"])]
     seconds = 3.0 if quick else 30.0

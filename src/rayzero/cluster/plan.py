@@ -153,6 +153,6 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
                         "cuda" if c.reanalyse_gpus > 0 else "cpu", options={"max_restarts": -1})
                    if config.reanalyse.fraction > 0 else None),
         learner_group=learner_ranks(c.num_learners, c.learner_cpus, learner_gpus) if c.num_learners > 1 else None,
-        whole_search=mode == "central" and inference_device == "cuda",
+        whole_search=mode == "central" and inference_device == "cuda" and config.search.device != "cpu",
         autoscaler_bundles=tuple({"CPU": c.selfplay_cpus} for _ in range(num_selfplay)) if c.request_resources else (),
     )

@@ -49,6 +49,10 @@ class SearchConfig:
     triton: bool = True
     """CUDA: run the selection walk and the backup as fused Triton kernels (kernels.py) when triton imports and
     virtual_loss=1; False = the torch path (the `use_triton` argument of `search()` wins when given)."""
+    device: str = "auto"
+    """With a central inference actor on a GPU, where self-play's searches run: 'gpu' (whole searches as
+    CUDA-graph replays in the inference actor), 'cpu' (each self-play actor walks its trees on its CPU and sends
+    one batch of leaves per simulation wave; the latents stay on the GPU as handles), 'auto' = 'gpu'."""
     cpu_backend: str = "auto"
     """Tree walk of searches on CPU tensors: 'numba' (compiled, tree/cpu.py), 'torch' (the eager torch
     path), 'auto' = numba when it imports (and RAYZERO_TREE_NUMBA != 0), else torch. Same results."""
@@ -66,6 +70,7 @@ class SearchConfig:
             ("gumbel_scale", self.gumbel_scale >= 0, ">= 0"),
             ("virtual_loss", self.virtual_loss >= 1, ">= 1"),
             ("max_nodes", self.max_nodes >= 0, ">= 0"),
+            ("device", self.device in ("auto", "gpu", "cpu"), "'auto', 'gpu' or 'cpu'"),
             ("cpu_backend", self.cpu_backend in CPU_BACKENDS, f"one of {CPU_BACKENDS}"),
         ]
         for name, ok, valid in checks:
