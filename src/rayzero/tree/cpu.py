@@ -21,7 +21,7 @@ Why numba: it installs from pip wheels on Linux, macOS and Windows with no compi
 C++ extension would need one, or a wheel per platform built in CI), it compiles plain Python loops over
 numpy arrays to native code, and `cache=True` keeps the machine code on disk (next to this file, or numba's
 user cache where that is read-only), so only the first process on a machine pays the compile: 4-6 s for all
-kernels on the 2-core dev machine, then ~0.5 s to load them (`warm_up`). Every kernel has one signature
+kernels on the 2-core dev machine, then ~0.5 s to load them (`bench.tree.warm_up_compiled_tree`). Every kernel has one signature
 (flags are runtime arguments, unused arrays are dummies), so policies, masks and virtual loss share one
 compile. `nogil=True` lets self-play threads walk trees while another runs the network. Single-threaded on
 purpose: the actors already use every core. A C++ extension would be as fast per node, but a build step
@@ -571,29 +571,3 @@ def simulate(
             path_nodes, path_actions, depth, leaf, dup, flat_parent, action,
             _np(prior), _np(out.value), _np(out.reward), _np(out.discount),
         )  # fmt: skip
-
-
-def warm_up() -> float:
-    """Compile (first process on a machine) or load from numba's cache the compiled kernels, with a tiny
-    search of each policy, virtual loss included; returns the seconds it took. Searches call the kernels
-    lazily anyway: this only moves the one-off cost out of a timed region."""
-    import time
-
-    from rayzero.tree.base import RootOutput, SearchConfig
-    from rayzero.tree.search import search
-
-    start = time.perf_counter()
-
-    def fn(action: torch.Tensor, embedding: torch.Tensor):
-        n = action.shape[0]
-        out = RecurrentOutput(torch.zeros(n), torch.ones(n), torch.zeros(n, 2), torch.zeros(n))
-        return out, embedding
-
-    root = RootOutput(torch.zeros(1, 2), torch.zeros(1), torch.zeros(1, 1))
-    for config in (
-        SearchConfig(cpu_backend="numba"),
-        SearchConfig(cpu_backend="numba", virtual_loss=2),
-        SearchConfig(cpu_backend="numba", policy="gumbel"),
-    ):
-        search(root, fn, 2, config, invalid_actions=torch.tensor([[False, True]]))
-    return time.perf_counter() - start
