@@ -2,26 +2,9 @@
 
 Shapes: M = inference.max_batch, A = actions, P = latent_pool_size, n = rows of a batch, b = its bucket.
 Every method runs on the actor's one GPU thread (the batcher's executor); nothing here touches the event loop.
-
-Device memory: latents [P + M, ...] (slots 0..P-1 are client handles, P..P+M-1 are scratch rows written by
-padding rows and by rows whose latent is not kept), the optional cache latents [C, ...], and the static
-graph buffers: obs [M, *obs], idx [IDX_ROWS, M] int64 (src slot, action, dst slot, cache indices),
-mask [M, A] bool and out [M, 2 + A] float32 (value, reward, policy logits). Graph b reads rows [:b] of them.
-
-CUDA path (one launch): the host writes the batch into one of two pinned staging slots, the copy stream
-uploads it to that slot's device buffers (waiting, by event, until the compute stream is done reading the
-previous batch of that slot), and the compute stream waits for the upload event, copies the rows into the
-static buffers, replays the bucket's graph (or runs it eagerly), and copies the rows of `out` back into the
-slot's pinned output buffer. So batch k+1 uploads while batch k computes, the default stream is never used
-and the only host synchronisation is `wait` on the batch's end event. One graph per (kind, bucket) is
-captured at start-up after an eager warm-up, all in one shared memory pool (safe: replays are serialised
-on one stream and every output is read before the next replay); whole-search graphs (CapturedSearch,
-per bucket and search config) are captured at start-up for the run's config and on first use for others.
-
-CPU path (and batches larger than M on CUDA): eager, on tensors built from the request arrays; on CUDA on the
-compute stream, behind the weight copies and earlier batches.
-Mixed precision: bf16 autocast (cache off, as graph capture needs) around the model calls; the model's
-`heads_fp32` flag keeps its value/reward/policy heads in float32.
+One CUDA graph per (kind, bucket), uploads on their own stream through two pinned slots, bf16 trunk with fp32
+heads; the CPU path (and batches beyond the ladder) runs eagerly. Memory layout and stream order:
+docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """The central inference actor: batches requests from many self-play actors into bucketed network calls.
 
-Shapes: B = rows of a request, A = actions, M = inference.max_batch.
-Three request kinds, all async methods (the class runs as a Ray async actor, or in-process under asyncio):
-  initial(client, obs [B, *obs]) -> handles [B], value [B], reward [B] (0), policy_logits [B, A], version
-  recurrent(client, handles [B], actions [B], store=True) -> the same for the next states
-  search(client, obs [B, *obs], invalid_actions [B, A] | None, **search overrides)
-      -> action [B], action_weights [B, A], visit_counts [B, A], root_value [B], version
-
-Clients on the actor's node can send initial and recurrent requests through a shared-memory channel instead
-(`open_channel`; channel.py has the layout and `InferenceClient`): a poller thread hands them to the same
-queues, so they are batched with Ray calls and validated the same way.
-
-This module owns the request side: validation (a bad request fails alone, with an InferenceError), the
-queues, the batcher, the latent-pool bookkeeping (pool.py), the evaluation cache (cache.py), weights,
-metrics and the trace. The device side (CUDA graphs per bucket, pinned double-buffered copies on their own
-stream, bf16 trunk with fp32 heads, whole searches as graph replays) is runner.py.
-
-Batching: requests wait in one queue per kind (a search config is its own kind). The batcher serves the
-kind whose oldest request is oldest and waits until M rows are queued or the oldest request has waited
-`max_wait_us`; with a batch in flight it stops waiting earlier, at 3/4 of that batch's expected device time
-(the mean of its bucket so far). GPU work runs on one dedicated thread: each step launches batch k+1 and
-then waits for batch k, so the upload and host work of k+1 overlap the device work of k (two batches in
-flight at most). Backpressure: beyond `max_queue` rows queued in all, a new request fails at once with
-InferenceOverloaded (the client retries later), so queue memory stays bounded.
-
-Latents never leave the actor: initial and recurrent write them into the device pool and answer with slot
-handles; `release(client)` frees a client's slots (see pool.py for LRU and timeout reclamation).
-`recurrent(..., store=False)` does not keep the next latents (leaves that will never be expanded).
+Shapes: B = rows of a request, A = actions, M = inference.max_batch. Three request kinds, all async methods:
+initial(client, obs [B, *obs]), recurrent(client, handles [B], actions [B]) and search(client, obs [B, *obs]);
+clients on the actor's node may send them through shared-memory channels (channel.py). This module owns the
+request side: validation (a bad request fails alone), the queues and batcher, backpressure, the latent-pool
+bookkeeping (pool.py), the evaluation cache, weights, metrics and the trace; runner.py owns the device side.
+How batching, the GPU thread and backpressure work: docs/architecture.md.
 """
 
 from __future__ import annotations

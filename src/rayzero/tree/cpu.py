@@ -1,42 +1,15 @@
 """Compiled CPU tree: the selection walk, the expansion writes and the backup of `search()` for CPU tensors,
-as numba-compiled loops over the B trees of a wave.
+as numba-compiled loops over the B trees of a wave (one compiled call each per wave; search.py keeps the root
+initialisation, the outputs and the loop that calls `recurrent_fn`). The code reads and writes the torch
+`Tree`'s own tensors through numpy views, in float32 and in the torch path's order, so MuZero trees are
+bit-identical to the torch path and Gumbel ones equal within float tolerance.
 
-Shapes: B trees, N = num_simulations + 1 nodes, A actions, K = virtual_loss walks per tree and wave (the
-last wave may have fewer: Kw), L = N path positions. This module owns the compiled wave steps and their
-dispatch; search.py still owns the root initialisation (priors, masks, Dirichlet/Gumbel noise), the
-played action and the outputs (torch, shared with the torch path), and the per-wave Python loop that calls
-`recurrent_fn` once for all B * Kw leaves. A wave here is:
-
-1. `_select_wave` (one compiled call): for every tree, K walks from the root to an edge without a (complete)
-   child, MuZero PUCT (invalid actions masked at the root, virtual loss between the K walks) or Gumbel
-   MuZero (sequential halving at the root); writes the paths and the leaf edges;
-2. torch: gather the leaf parents' embeddings, `recurrent_fn`, softmax of its logits (the torch path's own
-   softmax, so the priors are the same bits), copy of the new embeddings into the tree;
-3. `_expand_backup_wave` (one compiled call): write the new nodes, then back each value up its path.
-
-The compiled code reads and writes the torch `Tree`'s own tensors through numpy views (no copies), so the
-returned tree, `_outputs` and every test of the tree see the same arrays as on the torch path.
-
-Why numba: it installs from pip wheels on Linux, macOS and Windows with no compiler at install time (a
-C++ extension would need one, or a wheel per platform built in CI), it compiles plain Python loops over
-numpy arrays to native code, and `cache=True` keeps the machine code on disk (next to this file, or numba's
-user cache where that is read-only), so only the first process on a machine pays the compile: 4-6 s for all
-kernels on the 2-core dev machine, then ~0.5 s to load them (`bench.tree.warm_up_compiled_tree`). Every kernel has one signature
-(flags are runtime arguments, unused arrays are dummies), so policies, masks and virtual loss share one
-compile. `nogil=True` lets self-play threads walk trees while another runs the network. Single-threaded on
-purpose: the actors already use every core. A C++ extension would be as fast per node, but a build step
-on every install. The eager torch path pays 0.4-0.6 ms of torch op dispatch per wave whatever B; here a
-wave costs ~4 µs of compiled calls plus ~15 µs of Python and torch glue at B = 1.
-
-Equality with the torch path: every float operation is float32, in the torch path's order
-(action_selection.py, qtransforms.py, search._backup), with IEEE division and no fast-math (numba does not
-contract a * b + c into an FMA without fastmath), so MuZero visit counts, values and Q are bit-identical.
-Gumbel MuZero's sums over actions (qtransforms.mixed_value) and the softmax/log of its interior rule may
-differ from torch's vectorised reductions in the last bits; the results match within float tolerance and
-the visit counts match unless two scores tie to within a few ulps. (The log priors of the interior rule are
-taken once per node at its expansion, not at every visit.)
-
-Set RAYZERO_TREE_NUMBA=0, or `search.cpu_backend=torch`, to use the torch path.
+Why numba: pip wheels for every platform and no compiler at install time (a C++ extension needs one, or a
+wheel per platform), native loops over numpy arrays, an on-disk cache so only a machine's first process
+compiles, and `nogil=True`, so self-play threads walk trees while another thread waits for the network.
+Single-threaded on purpose: the actors already use every core. `search.cpu_backend=torch` (or
+RAYZERO_TREE_NUMBA=0) selects the torch path. How a wave runs and the equality argument in full:
+docs/architecture.md; timings: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,11 @@
 """Batched MuZero / Gumbel MuZero tree search over B trees at once (one recurrent_fn call per wave).
 
 Shapes: B = trees, A = actions, N = num_simulations + 1 nodes, K = config.virtual_loss paths per tree and
-wave, L = steps of a selection walk. This module owns the search loop: root initialisation, the
-selection walk, expansion through `recurrent_fn`, the backup, and the choice of the played action.
-
-Every step is batched over trees: no Python loop over B, no data-dependent shapes and, on CUDA, no host
-synchronisation: the selection walk runs a fixed number of masked steps (a tree of i nodes is at most i
-steps deep), so a whole search (network included) can be captured into one CUDA graph (capture.py). On
-the CPU the walk stops as soon as every tree has reached a leaf (a host check is free there); results
-are the same. On CUDA, when Triton imports and K == 1, a simulation is two fused kernels around the
-network (kernels.py: the selection walk, root choice included; the expansion writes and the backup); they
-compute the same float32 operations as the torch path, so visit counts match it. On CPU tensors the
-selection, expansion and backup of each wave run as compiled loops instead (tree/cpu.py, numba;
-`search.cpu_backend`), with the same float32 operations; this module still initialises the roots and makes
-the outputs for both.
-
-Randomness (Dirichlet root noise, Gumbel noise, temperature sampling) is drawn with `generator`, or taken
-from `noise` (see noise.py): pass precomputed noise to replay a captured graph with fresh noise.
-
-Choices the callers should know:
-* Interior nodes are never masked; `invalid_actions` only masks the root (as in mctx).
-* The root starts with one visit and its network value, so root_value = (v + sum of backed-up returns) /
-  (1 + num_simulations).
-* MuZero's Q normalisation is per tree over all Q values seen in it (qtransforms.py); unvisited children
-  are scored at their parent's normalised value (clipped to [0, 1]).
-* Gumbel MuZero ignores `temperature`: the played action is the sequential-halving winner, and
-  action_weights is the improved policy softmax(logits + sigma(completed Q)).
-* Virtual loss (K > 1) is implemented for the MuZero policy only: each wave runs K selection walks per
-  tree; a pending path adds a virtual visit to every edge it crosses that counts as the worst value seen;
-  a walk that ends on an edge another walk of the same wave already claimed (possible when all else is
-  worse) backs its evaluation up through that same new node instead of creating a second one, so the
-  root's visit counts always total num_simulations (that node's slot stays unused).
-* Rows with every action invalid cannot be searched; this is checked on CPU tensors only (on CUDA the check
-  would need a host sync): on CUDA such rows give NaN results.
+wave, L = steps of a selection walk. This module owns the search loop: root initialisation, the selection
+walk, expansion through `recurrent_fn`, the backup, and the played action. Everything is batched over trees
+with static shapes, so a whole search can be captured as one CUDA graph (capture.py); the Triton kernels
+(kernels.py) and the compiled CPU tree (cpu.py) replace the walk and the backup with the same arithmetic.
+What callers should know (masks, root value, Q normalisation, virtual loss): docs/architecture.md.
 """
 
 from __future__ import annotations
