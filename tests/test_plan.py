@@ -55,6 +55,8 @@ def test_a_learner_group_gets_its_bundles_from_the_plan():
     cfg = config_lib.load("cartpole", ["cluster.num_learners=2", "cluster.learner_cpus=0", "reanalyse.fraction=0.5"])
     plan = cluster.plan(cfg, {"CPU": 2.0})
     assert plan.learner.count == 2 and plan.replay.count == 2
+    # The group's bundles and the reanalyse worker's CPU leave one core for self-play, not two.
+    assert plan.selfplay.count == 1
     group = plan.learner_group
     assert group.bundles == ({"CPU": 0.01}, {"CPU": 0.01})  # a bundle cannot be empty
     assert group.rank_options == {"num_cpus": 0.0, "num_gpus": 0.0, "max_restarts": 0}

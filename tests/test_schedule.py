@@ -33,9 +33,7 @@ def test_learner_waits_for_every_shard():
 
 
 def test_selfplay_is_throttled_at_the_replay_ratio():
-    schedule = Schedule(RULES, start=0.0)
-    schedule.learned(Counters(replay_transitions=10, learner_steps=5))  # a first call that kept up: base 0
-    assert schedule.ratio_base == 0.0
+    schedule = Schedule(RULES, start=0.0)  # a learner that does not compile: the ratio holds from the start
     # 1000 transitions at ratio 2 want 2000 samples; the learner has trained on 1000 (+ slack 50): far behind.
     behind = Counters(replay_transitions=1000, learner_steps=100)
     calls = roles(schedule.next_calls(behind, set(), [0, 1], now=1.0))
@@ -139,9 +137,9 @@ def test_rules_from_a_preset():
 
 
 def test_selfplay_runs_freely_until_the_first_learner_call_returns_then_the_ratio_counts_from_there():
-    """The learner's first call can take minutes (compilation): self-play is not held back meanwhile, and the
+    """A compiling learner's first call can take minutes: self-play is not held back meanwhile, and the
     transitions it added then do not leave the learner a ratio's worth behind."""
-    schedule = Schedule(RULES, start=0.0)
+    schedule = Schedule(Rules(**{**RULES.__dict__, "free_first_call": True}), start=0.0)
     compiling = Counters(replay_transitions=5000, learner_steps=0)  # far behind the ratio, first call in flight
     calls = roles(schedule.next_calls(compiling, {(LEARN, 0)}, [0, 1], now=1.0))
     assert calls == [(COLLECT, 0), (COLLECT, 1)]

@@ -55,12 +55,14 @@ def test_two_learner_ranks_with_replay_shards_and_reanalyse_resume(tmp_path):
     a reanalyse worker refreshes targets in both shards; the model predicts value prefixes."""
     two = ["cluster.num_learners=2", "cluster.learner_cpus=0", "reanalyse.fraction=0.25", "cluster.reanalyse_cpus=0",
            "model.value_prefix=true", *SMALL]
-    rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "run.max_env_steps=1500", *two)
+    # Limits in learner steps: with a limit in env steps, fast self-play can end the run before the learner's
+    # second call, and so before any reanalyse call.
+    rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "run.max_learner_steps=40", *two)
     first = json.loads((tmp_path / "summary.json").read_text())
     assert first["learner_steps"] > 0 and first["replay_size"] > 0 and first["reanalysed_this_run"] > 0
     newest = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]
     assert (newest / "replay-0.npz").exists() and (newest / "replay-1.npz").exists()
-    rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "--resume", "run.max_env_steps=2500", *two)
+    rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "--resume", "run.max_learner_steps=80", *two)
     second = json.loads((tmp_path / "summary.json").read_text())
     assert second["replay_size_at_start"] == first["replay_size"]
     assert second["learner_steps"] == first["learner_steps"] + second["learner_steps_this_run"]

@@ -377,8 +377,8 @@ class ClusterConfig:
     """Ray resources; `rayzero.cluster` is the only place that reads this."""
 
     num_selfplay_actors: int = 0
-    """Self-play actors (each steps env.num_envs envs); 0 = from the host: the CPUs left after the learner, the
-    inference actor and (above 4 CPUs) 2 for the driver and replay, at least 1."""
+    """Self-play actors (each steps env.num_envs envs); 0 = from the host: the whole CPUs that the other roles'
+    requests, the inference actor and (above 4 CPUs) 2 for the driver and replay leave, at least 1."""
     selfplay_cpus: float = 1.0
     """CPUs reserved per self-play actor."""
     learner_cpus: float = 1.0

@@ -5,9 +5,9 @@ No Ray here: `Schedule` gets plain numbers and the set of roles with a call in f
 cluster (tests/test_schedule.py):
   * the learner starts once replay holds `replay.min_size` transitions (and every shard can be sampled);
   * self-play runs while the learner keeps up with `learner.replay_ratio` (learner samples per transition
-    that reached replay), within a slack; the learner runs while it is behind. Until the learner's first call
-    of the run returns (its compilation can take a minute or two) self-play runs freely, and the ratio then
-    counts from that point, so neither side starts out stalled;
+    that reached replay), within a slack; the learner runs while it is behind. When the learner compiles its
+    step (on a GPU: a minute or two in its first call), self-play runs freely until that first call returns,
+    and the ratio then counts from that point, so neither side starts out stalled;
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
   * evaluation every `run.eval_interval` seconds once the learner has stepped;
   * a role never has two calls in flight;
@@ -74,9 +74,12 @@ class Rules:
     time_limit: float = 0.0
     max_env_steps: int = 0
     max_learner_steps: int = 0
+    free_first_call: bool = False
+    """Self-play is not held back by the ratio until the learner's first call returns (it compiles there)."""
 
     @classmethod
-    def from_config(cls, config: Config, num_selfplay: int, num_shards: int, num_reanalyse: int) -> Rules:
+    def from_config(cls, config: Config, num_selfplay: int, num_shards: int, num_reanalyse: int,
+                    learner_compiles: bool = False) -> Rules:
         learner, replay, run = config.learner, config.replay, config.run
         collect_env_steps = run.selfplay_steps_per_call * config.env.num_envs
         return cls(
@@ -87,6 +90,7 @@ class Rules:
             temperature_schedule=run.temperature_schedule, eval_interval=run.eval_interval,
             log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
             time_limit=run.time_limit, max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
+            free_first_call=learner_compiles,
         )
 
 
@@ -114,7 +118,7 @@ class Schedule:
         self.next_checkpoint = (learner_steps // interval + 1) * interval
         self.reanalyse_calls = 0
         self.shards_filled = rules.num_shards == 1
-        self.learned_once = False  # the learner's first call of this run has returned
+        self.learned_once = not rules.free_first_call  # (when it matters) the learner's first call has returned
         self.ratio_base = 0.0  # transitions the ratio leaves out: those added before that call returned
 
     # -- what to start -----------------------------------------------------------------------------------
@@ -153,7 +157,7 @@ class Schedule:
     def learned(self, counters: Counters) -> None:
         """A learner call returned (counters updated). After the run's first, the ratio counts from here: the
         transitions beyond what the learner's samples cover at the ratio are left out of it."""
-        if not self.learned_once:
+        if not self.learned_once:  # only with free_first_call
             self.learned_once = True
             samples = counters.learner_steps * self.rules.samples_per_step
             self.ratio_base = max(0.0, counters.replay_transitions - samples / self.rules.replay_ratio)

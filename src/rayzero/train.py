@@ -227,7 +227,9 @@ class Driver:
     # -- the loop --------------------------------------------------------------------------------------
 
     def _loop(self, handles: cluster.Handles, metrics: MetricsLog) -> None:
-        rules = Rules.from_config(self.config, len(handles.selfplay), len(handles.replay), len(handles.reanalyse))
+        compiles = handles.plan.learner.device == "cuda" and self.config.learner.compile is not False
+        rules = Rules.from_config(self.config, len(handles.selfplay), len(handles.replay), len(handles.reanalyse),
+                                  learner_compiles=compiles)
         schedule = self.schedule = Schedule(rules, self.start, self.counters.learner_steps, time.perf_counter())
         self.actors = dict(enumerate(handles.selfplay))
         self.next_index = len(self.actors)

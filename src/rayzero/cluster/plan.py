@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rayzero.config import ClusterConfig, Config, ConfigError
+from rayzero.config import Config, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +106,18 @@ def _shares_one_gpu(config: Config, gpus: float) -> bool:
             and config.inference.device in ("auto", "cuda"))
 
 
-def selfplay_actors(c: ClusterConfig, cpus: int, central: bool) -> int:
-    """cluster.num_selfplay_actors, or with 0 the CPUs that the learner, the inference actor and (above 4 CPUs)
-    the driver and replay leave, at least 1."""
+def selfplay_actors(config: Config, cpus: int, central: bool) -> int:
+    """cluster.num_selfplay_actors, or with 0 the whole CPUs that the other roles' requests (a learner group's
+    bundles at least 0.01 each), the inference actor and (above 4 CPUs) 2 for the driver and replay leave,
+    at least 1."""
+    c = config.cluster
     if c.num_selfplay_actors:
         return c.num_selfplay_actors
-    reserved = c.learner_cpus * c.num_learners + (1 if central else 0) + (2 if cpus > 4 else 0)
+    learner = (max(c.learner_cpus, 0.01) if c.num_learners > 1 else c.learner_cpus) * c.num_learners
+    reanalyse = c.reanalyse_cpus * c.num_reanalyse_workers if config.reanalyse.fraction > 0 else 0.0
+    shards = config.replay.shards or c.num_learners
+    reserved = (learner + (1.0 if central else 0.0) + reanalyse + c.replay_cpus * shards + c.eval_cpus
+                + (2.0 if cpus > 4 else 0.0))
     return max(1, int((cpus - reserved) // max(c.selfplay_cpus, 1.0)))
 
 
@@ -140,7 +146,7 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     inference_device = "cuda" if inference_gpus > 0 else "cpu"
     # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
-    num_selfplay = max(selfplay_actors(c, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
+    num_selfplay = max(selfplay_actors(config, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
     return Plan(
         replay=Role(config.replay.shards or c.num_learners, c.replay_cpus, options={"max_restarts": 0}),
         learner=Role(c.num_learners, c.learner_cpus, learner_gpus, "cuda" if learner_gpus > 0 else "cpu"),
