@@ -1,8 +1,9 @@
 """The self-play role: steps a batch of envs, runs one batched search per step, sends segments to replay.
 
-With whole searches on the inference actor (a GPU host) the envs are split in two halves, each its own vector
-env with its own search in flight: while one half's search runs on the GPU the other half steps its envs, so
-neither the envs nor the actor wait idle for the other.
+With the inference actor (a GPU host) the envs are split in two halves, each its own vector env. Whole searches
+(GPU search): each half has its search in flight while the other half steps its envs. CPU search
+(`search.device=cpu`): the two halves walk their trees in two threads, so one half's leaves are on the GPU
+while the other half's tree walk runs.
 
 Each env writes its steps into preallocated per-env arrays. A segment leaves when the episode ends, or when
 `segment_length + unroll_steps + td_steps` steps have piled up: then the first `segment_length` positions
