@@ -253,3 +253,39 @@ def test_transformer_graphs_bf16_match_eager():
             np.testing.assert_allclose(r["policy_logits"], direct.policy_logits.float().cpu().numpy(), rtol=3e-2, atol=3e-2)
             np.testing.assert_allclose(s["value"], one.value.float().cpu().numpy(), rtol=3e-2, atol=3e-2)
     assert sum(m["graph"] for m in srv.stats()["buckets"].values()) >= 2
+
+
+@pytest.mark.parametrize("whole_search", [True, False], ids=["gpu-search", "cpu-search"])
+def test_selfplay_halves_on_a_gpu_inference_actor_through_channels(whole_search):
+    """A GPU host's self-play: Pong (the atari preset's env and network, few simulations), envs in two halves,
+    searches through shared-memory channels to a Ray inference actor on CUDA: whole searches (graph replays)
+    or the CPU tree with latent handles. Every step is played, segments reach replay, and no request fails."""
+    import ray
+
+    from rayzero import config as config_lib
+    from rayzero.actors.network import RemoteNetwork
+    from rayzero.actors.selfplay import SelfPlayWorker
+    from rayzero.envs import env_spec
+    from rayzero.replay import ReplayBuffer
+
+    cfg = config_lib.load("atari", ["env.num_envs=4", "search.num_simulations=8", "replay.segment_length=10",
+                                    "replay.min_size=0", "replay.shared_obs=false"])
+    spec = env_spec(cfg.env)
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False)
+    try:
+        server = ray.remote(InferenceServer).options(num_gpus=1, max_concurrency=100).remote(
+            cfg.model, InferenceConfig(device="cuda", search_max_batch=16), spec.observation_shape,
+            spec.num_actions, 0, search_cfg=cfg.search, discount=cfg.replay.discount)
+        replay = ReplayBuffer(cfg.replay)
+        worker = SelfPlayWorker(cfg.env, cfg.model, cfg.search, cfg.replay, seed=0, sink=replay.add,
+                                evaluator=RemoteNetwork(server, cfg.replay.discount, "gpu-sp", whole_search))
+        result = worker.collect(40, temperature=1.0)
+        assert result["env_steps"] == 160 and result["transitions_sent"] > 0
+        stats = ray.get(server.stats.remote())
+        assert stats["errors"] == 0 and len(stats["channel_clients"]) >= 2
+        kinds = {name.split("/")[0] for name in stats["buckets"]}
+        assert ("search" in kinds) == whole_search and ("recurrent" in kinds) == (not whole_search)
+        batch = replay.sample(8)
+        np.testing.assert_allclose(batch.target_policies[:, 0].sum(-1), 1.0, rtol=1e-5)
+    finally:
+        ray.shutdown()
