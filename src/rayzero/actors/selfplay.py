@@ -70,7 +70,6 @@ class SelfPlayWorker:
         if evaluator is None:
             evaluator = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), replay_cfg.discount)
         self.evaluator = evaluator
-        self.generator = torch.Generator().manual_seed(seed)
         self.version = -1
         self.tail = replay_cfg.unroll_steps + replay_cfg.td_steps
         self.window = replay_cfg.segment_length + self.tail
@@ -127,7 +126,7 @@ class SelfPlayWorker:
             self.version = int(answer.get("version", self.version))  # the weights the inference actor acted with
             return self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
         config = dataclasses.replace(self.search_cfg, temperature=temperature)
-        out = search_observations(self.evaluator, half.obs, config, self.generator)
+        out = search_observations(self.evaluator, half.obs, config, half.generator)
         return self._advance(half, out.action.cpu().numpy(), out.action_weights.float().cpu().numpy(),
                              out.root_value.float().cpu().numpy())
 
@@ -248,4 +247,5 @@ class _Half:
     network: Any = None
     """CPU search with the inference actor: this half's own network (channel and latent slots)."""
     generator: torch.Generator | None = None
-    """This half's random stream for search noise (threaded halves must not share one)."""
+    """This half's random stream for search noise (the first half's is seeded with the worker's seed; threaded
+    halves must not share one)."""
