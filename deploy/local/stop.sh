@@ -88,5 +88,15 @@ if (( ${#alive[@]} > 0 )); then
   echo "Force-killing ${#alive[@]} processes still running after SIGTERM:" \
     "$(ps -o comm= -p "$(IFS=,; echo "${alive[*]}")" | tr '\n' ' ')"
   kill -KILL "${alive[@]}" 2>/dev/null || true
+  # SIGKILL is not instantaneous either: wait (up to 10 s) until the processes are gone, so that a caller that
+  # checks right after this script sees none of them.
+  for _ in $(seq 1 20); do
+    still=()
+    for pid in "${alive[@]}"; do
+      if rz_alive "${pid}"; then still+=("${pid}"); fi
+    done
+    (( ${#still[@]} == 0 )) && break
+    sleep 0.5
+  done
 fi
 echo "Stopped."
