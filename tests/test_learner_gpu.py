@@ -80,3 +80,34 @@ def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
     assert len(params) < len(before)
     for name in params:
         assert torch.equal(first[name], second[name]), name
+
+
+# The consistency loss did not train in a Pong run on a GPU (docs/benchmarks.md, run 2) while it trains on the
+# CPU (test_learner.py). These tests bisect the GPU path: eager fp32, eager bf16, compiled with CUDA graphs, and
+# the whole input path (replay actor, /dev/shm frames, device observation cache).
+@pytest.mark.parametrize("compile_mode,bf16", [(None, False), (None, True), ("reduce-overhead", True),
+                                               ("default", True)])
+def test_consistency_loss_trains_on_cuda(compile_mode, bf16):
+    from test_learner import consistency_after
+
+    from rayzero.config import LearnerConfig
+
+    cfg = LearnerConfig(batch_size=32, lr=3e-3, lr_warmup_steps=0, device="cuda", compile=compile_mode is not None,
+                        compile_mode=compile_mode or "reduce-overhead", bf16=bf16, consistency_weight=2.0,
+                        consistency_dim=32)
+    assert consistency_after(cfg) < -0.35
+
+
+
+def test_consistency_loss_trains_through_the_replay_actor_and_the_device_cache():
+    """The Atari input path, compiled with CUDA graphs: single frames restacked from /dev/shm into the device
+    observation cache."""
+    from test_learner import consistency_through_a_replay_actor
+
+    from rayzero.config import LearnerConfig
+
+    cfg = LearnerConfig(batch_size=32, lr=3e-3, lr_warmup_steps=0, device="cuda", consistency_weight=2.0,
+                        consistency_dim=32)
+    results = consistency_through_a_replay_actor(cfg, num_gpus=1)
+    assert results[-1]["obs_path"] == "device_cache"
+    assert results[-1]["consistency_loss"] < -0.35, [r["consistency_loss"] for r in results]

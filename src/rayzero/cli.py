@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smoke size that runs on a 2-core CPU")
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--trace", default=None, help="inference: write a Chrome trace of the batcher here")
+    bench.add_argument("--seconds", type=float, default=None,
+                       help="selfplay: timed seconds per row (default 30, --quick 3)")
     return parser
 
 
@@ -140,10 +142,17 @@ def _bench(args: argparse.Namespace) -> int:
         module = importlib.import_module(f"rayzero.bench.{args.name}")
     except ModuleNotFoundError:
         raise UsageError(f"benchmark {args.name!r} is not built yet") from None
+    if args.seconds is not None:
+        if args.name != "selfplay":
+            raise UsageError("--seconds is only for `rayzero bench selfplay`")
+        if not args.seconds > 0:
+            raise UsageError(f"--seconds must be > 0, got {args.seconds}")
     if args.trace:
         if args.name != "inference":
             raise UsageError("--trace is only for `rayzero bench inference`")
         module.main(quick=args.quick, json_path=args.json, trace_path=args.trace)
+    elif args.name == "selfplay":
+        module.main(quick=args.quick, json_path=args.json, seconds=args.seconds)
     else:
         module.main(quick=args.quick, json_path=args.json)
     return 0

@@ -12,7 +12,7 @@ the self-play actors, leaves evaluated by the inference actor).
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
 
-    rayzero bench selfplay [--quick] [--json PATH]      # --quick: cartpole, CPU, a few seconds per phase
+    rayzero bench selfplay [--quick] [--seconds S] [--json PATH]   # --quick: cartpole, CPU, a few seconds per phase
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     return row
 
 
-def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
+def main(quick: bool = False, json_path: str | None = None, seconds: float | None = None) -> dict[str, Any]:
     import ray
 
     import torch as _torch
@@ -228,7 +228,8 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
         variants = [("atari", []), ("atari", ["search.num_simulations=200"]), ("atari", ["search.device=cpu"])]
     else:
         variants = [("cartpole", ["inference.mode=central"])]
-    seconds = 3.0 if quick else 30.0
+    if seconds is None:
+        seconds = 3.0 if quick else 30.0
     cluster.connect(ClusterConfig())
     try:
         rows = [served(preset, overrides, seconds) for preset, overrides in variants]
@@ -245,5 +246,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--seconds", type=float, default=None)
     args = parser.parse_args()
-    main(args.quick, args.json)
+    main(args.quick, args.json, args.seconds)
