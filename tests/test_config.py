@@ -29,7 +29,7 @@ def test_overrides_apply_to_their_section():
         ("env.num_envs=abc", "env.num_envs"),
         ("search.policy=alphago", "one of ('muzero', 'gumbel')"),
         ("replay.discount=1.5", "replay.discount=1.5 is invalid: must be in (0, 1]"),
-        ("env.image_size=64", "84 or 96"),
+        ("env.image_size=72", "64, 84 or 96"),
         ("justtext", "section.field=value"),
     ],
 )

@@ -153,6 +153,7 @@ def test_cartpole_render_env_matches_spec() -> None:
         (False, 96, False, (12, 96, 96), 6),
         (True, 84, False, (4, 84, 84), 6),
         (True, 84, True, (4, 84, 84), 18),
+        (True, 64, False, (4, 64, 64), 6),
     ],
 )
 def test_pong_spec_and_random_steps(grayscale: bool, size: int, full: bool, shape: tuple[int, ...],
@@ -295,6 +296,21 @@ def test_atari_reward_clipping_truncation_and_raw_returns() -> None:
                 assert raw >= 10 * clipped
         else:
             assert max(res.episode_returns) > 0 and res.episode_returns == total.tolist()
+
+
+def test_atari_render_env_matches_vector_env_in_grayscale_64() -> None:
+    # The `atari` preset's observations: the evaluation pipeline must give what the network was trained on.
+    cfg = EnvConfig(id="ALE/Pong-v5", noop_max=0, sticky_action_prob=0.0, grayscale=True, image_size=64)
+    single = envs.make_render_env(cfg, seed=0)
+    with envs.make_vector_env(cfg, 1, seed=0, training=False) as env:
+        np.testing.assert_array_equal(single.reset()[0], env.reset()[0])
+        rng = np.random.default_rng(0)
+        for _ in range(200):
+            action = int(rng.integers(env.spec.num_actions))
+            res = env.step(np.array([action]))
+            obs = single.step(action)[0]
+            assert obs.shape == (4, 64, 64) and abs(obs.astype(int) - res.obs[0].astype(int)).max() <= 1
+    single.close()
 
 
 def test_atari_seeding_is_reproducible() -> None:

@@ -47,7 +47,7 @@ class EnvConfig:
     grayscale: bool = False
     """Atari: grayscale instead of RGB frames."""
     image_size: int = 96
-    """Atari: frames are resized to image_size x image_size (96 or 84)."""
+    """Atari: frames are resized to image_size x image_size (64, 84 or 96)."""
     frame_stack: int = 4
     """Atari: frames stacked in one observation."""
     noop_max: int = 30
@@ -68,7 +68,7 @@ class EnvConfig:
             ("id", bool(self.id), "a Gymnasium env id such as 'CartPole-v1' or 'ALE/Pong-v5'"),
             ("num_envs", self.num_envs >= 1, ">= 1"),
             ("frame_skip", self.frame_skip >= 1, ">= 1"),
-            ("image_size", self.image_size in (84, 96), "84 or 96"),
+            ("image_size", self.image_size in (64, 84, 96), "64, 84 or 96"),
             ("frame_stack", self.frame_stack >= 1, ">= 1"),
             ("noop_max", self.noop_max >= 0, ">= 0"),
             ("sticky_action_prob", 0.0 <= self.sticky_action_prob < 1.0, "in [0, 1)"),

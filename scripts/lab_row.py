@@ -1,0 +1,56 @@
+"""One lab-notebook row from a run's metrics.jsonl (docs/benchmarks.md, "Atari learning").
+
+    python3 scripts/lab_row.py RUN_DIR_OR_METRICS_JSONL [--at 120,300,420] [--dmon dmon.txt]
+
+Prints: when the first update landed, updates and env steps by each time, the self-play return and the greedy
+evaluations, the diagnostics averaged over the last 5 learner rows, and the mean GPU utilisation from an
+`nvidia-smi dmon -s u` log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+DIAGNOSTICS = ("policy_loss", "value_loss", "reward_loss", "consistency_loss", "value_error", "reward_error",
+               "target_entropy", "policy_kl", "grad_norm", "sample_age_seconds", "sample_is_weight_ess",
+               "selfplay_version_lag", "learner_steps_per_second", "env_steps_per_second")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path")
+    parser.add_argument("--at", default="120,300,420")
+    parser.add_argument("--dmon", default=None)
+    args = parser.parse_args()
+    path = os.path.join(args.path, "metrics.jsonl") if os.path.isdir(args.path) else args.path
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    first = next((r["wall_seconds"] for r in rows if r.get("learner_steps", 0) > 0), None)
+    print(f"rows {len(rows)}  first update by {first:.0f} s" if first is not None else "no update")
+    for t in (float(x) for x in args.at.split(",")):
+        before = [r for r in rows if r["wall_seconds"] <= t]
+        if not before:
+            continue
+        last = before[-1]
+        train = [r["train_return_mean"] for r in before if r.get("train_return_mean") is not None]
+        print(f"  by {t:4.0f} s: updates {last.get('learner_steps', 0):7,d}  env steps {last.get('env_steps', 0):9,d}"
+              f"  train return {train[-1] if train else float('nan'):6.1f}")
+    for r in rows:
+        if r.get("eval_return_mean") is not None:
+            print(f"  eval at {r['wall_seconds']:4.0f} s: {r['eval_return_mean']:6.1f} +- {r.get('eval_return_std', 0):.1f}"
+                  f" ({r.get('eval_episodes')} games, {r.get('eval_seconds', 0):.0f} s, version {r.get('eval_last_version')},"
+                  f" updates {r.get('learner_steps')})")
+    learner = [r for r in rows if "policy_loss" in r][-5:]
+    if learner:
+        means = {k: sum(r[k] for r in learner if k in r) / max(1, sum(k in r for r in learner)) for k in DIAGNOSTICS}
+        print("  last rows: " + "  ".join(f"{k} {v:.3g}" for k, v in means.items()))
+    if args.dmon and os.path.exists(args.dmon):
+        sm = [int(line.split()[1]) for line in open(args.dmon)
+              if line.strip() and not line.startswith("#") and line.split()[1].isdigit()]
+        if sm:
+            print(f"  GPU util mean {sum(sm) / len(sm):.0f} % over {len(sm)} samples")
+
+
+if __name__ == "__main__":
+    main()
