@@ -75,3 +75,17 @@ def test_a_learner_failure_in_the_shutdown_drain_is_raised_and_cut_off_work_is_d
     finally:
         train_module.ray.wait = real_wait
     assert d.pending == {} and len(waits) == 2
+
+
+@ray.remote(num_cpus=0)
+def failed_collect():
+    raise ValueError("search: AcceleratorError: CUDA error: operation failed during capture")
+
+
+def test_a_collect_that_raises_replaces_its_self_play_actor_instead_of_ending_the_run(tmp_path, flaky):
+    d = driver(tmp_path)
+    replaced = []
+    d._replace_actor = lambda index, error, handles: replaced.append((index, str(error)))
+    d._record(failed_collect.remote(), Call(COLLECT, 3), handles=None, metrics=None)  # no exception
+    assert [i for i, _ in replaced] == [3] and "operation failed during capture" in replaced[0][1]
+    assert 3 not in d.active

@@ -235,3 +235,41 @@ def test_whole_searches_through_the_channel_equal_ray_calls_and_two_can_be_in_fl
     with pytest.raises(InferenceError, match="no search in flight"):
         first.wait_search()
     ray.kill(server)
+
+
+
+@pytest.mark.parametrize("failures", [2, 3])
+def test_a_failed_whole_search_is_sent_again_and_one_that_keeps_failing_raises(actor, failures):
+    """Self-play does not end on one failed batch of the inference actor (RemoteNetwork.wait_search)."""
+    from rayzero.actors.network import SEARCH_RETRIES, RemoteNetwork
+    from rayzero.tree import SearchConfig
+
+    class FailingSearches(InferenceServer):  # defined here: Ray's workers cannot import test modules
+        """An inference actor whose first `failures` whole searches fail, as a batch does when the device errs."""
+
+        def __init__(self, *args, failures=0, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.failures = failures
+
+        async def search(self, client, obs, invalid_actions=None, **overrides):
+            if self.failures > 0:
+                self.failures -= 1
+                raise InferenceError("search: AcceleratorError: CUDA error: operation failed during capture")
+            return await super().search(client, obs, invalid_actions, **overrides)
+
+    cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
+    server = ray.remote(FailingSearches).options(max_concurrency=100).remote(
+        MODEL, cfg, (4,), 3, 0, search_cfg=SearchConfig(num_simulations=4), discount=0.99, failures=failures)
+    network = RemoteNetwork(server, 0.99, "retry", whole_search=True, channel=True)
+    obs = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
+    try:
+        if failures <= SEARCH_RETRIES:
+            answer = network.search(obs, 1.0)
+            assert answer["action"].shape == (3,) and np.allclose(answer["action_weights"].sum(1), 1.0)
+            assert network.search_clients[0].transport == "channel"
+        else:
+            with pytest.raises(InferenceError, match="operation failed during capture"):
+                network.search(obs, 1.0)
+            assert len(network.search(obs, 1.0)["action"]) == 3  # the actor serves again afterwards
+    finally:
+        ray.kill(server)

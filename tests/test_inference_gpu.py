@@ -289,3 +289,27 @@ def test_selfplay_halves_on_a_gpu_inference_actor_through_channels(whole_search)
         np.testing.assert_allclose(batch.target_policies[:, 0].sum(-1), 1.0, rtol=1e-5)
     finally:
         ray.shutdown()
+
+
+def test_weight_swaps_while_new_search_graphs_are_captured():
+    """Pong run 5 (docs/benchmarks.md) died when the temperature schedule moved on: the new search's CUDA graph
+    was being captured while the weight stager synchronised an event in another thread. Captures are made in
+    thread-local mode, so both go through."""
+    srv = _server(bf16=True, search_cfg=SearchConfig(num_simulations=16))
+    state = {k: v.cpu() for k, v in srv.model.state_dict().items()}
+    obs = _obs(12)
+
+    async def go():
+        async def swaps():
+            for version in range(1, 41):
+                await srv.set_weights(version, state)
+
+        async def searches():  # every temperature is a new search config: a capture each
+            return [await srv.search("s", obs, temperature=1.0 - 0.02 * i) for i in range(12)]
+
+        _, answers = await asyncio.gather(swaps(), searches())
+        return answers
+
+    answers = asyncio.run(go())
+    assert len(answers) == 12 and all(a["action"].shape == (12,) for a in answers)
+    assert srv.version == 40 and srv.errors == 0

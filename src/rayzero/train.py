@@ -62,6 +62,12 @@ class MetricsLog:
         plot_learning_curve(self.run_dir)
 
 
+def _last_line(error: Exception) -> str:
+    """The last line of an error's message (a Ray task error's message ends with the remote exception)."""
+    text = str(error).strip()
+    return text.splitlines()[-1][:300] if text else type(error).__name__
+
+
 def plot_learning_curve(run_dir: Path) -> None:
     import matplotlib
 
@@ -288,6 +294,10 @@ class Driver:
             except ray.exceptions.RayActorError as error:
                 self._replace_actor(call.index, error, handles)
                 return
+            except ray.exceptions.RayTaskError as error:  # alive, but its envs and searches are mid-step
+                log.warning("self-play actor %d failed a collect: %s", call.index, _last_line(error))
+                self._replace_actor(call.index, error, handles)
+                return
             self.active.add(call.index)
             self.acting_versions[call.index] = result["version"]
             self.losses_in_a_row = 0
@@ -373,8 +383,7 @@ class Driver:
             except ray.exceptions.GetTimeoutError:  # cut off at shutdown (or an actor that never started)
                 continue
             except Exception as error:  # noqa: BLE001 - logged; a learner's failure is raised below
-                log.warning("%s call %d failed while the run ended: %s", call.role, call.index,
-                            str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__)
+                log.warning("%s call %d failed while the run ended: %s", call.role, call.index, _last_line(error))
                 if call.role == LEARN:
                     failed = error
                 continue

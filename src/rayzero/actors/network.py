@@ -10,15 +10,20 @@ when the actor is on this node (inference/channel.py), else through Ray calls.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 
 from rayzero.inference.channel import InferenceClient
+from rayzero.inference.errors import InferenceError
 from rayzero.models.networks import MuZeroNet
 from rayzero.models.state import copy_into
 from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchOutput, search
+
+log = logging.getLogger(__name__)
+SEARCH_RETRIES = 2  # a whole search the inference actor failed is sent again this many times in a row
 
 
 class LocalNetwork:
@@ -64,6 +69,7 @@ class RemoteNetwork:
         self.channel = channel
         self.client: Any = None  # an InferenceClient, opened at the first root (sized by its batch)
         self.search_clients: dict[int, Any] = {}  # slot -> the InferenceClient its whole searches go through
+        self._sent: dict[int, tuple[np.ndarray, float]] = {}  # slot -> the search in flight (sent again on failure)
 
     def search(self, obs: np.ndarray, temperature: float, **overrides: Any) -> dict[str, np.ndarray]:
         """A whole search on the inference actor: action [B], action_weights [B, A], root_value [B], version (of
@@ -92,9 +98,23 @@ class RemoteNetwork:
                                      channel=self.channel)
             self.search_clients[slot] = client
         client.submit_search(obs, temperature)
+        self._sent[slot] = (obs, temperature)
 
     def wait_search(self, slot: int = 0) -> dict[str, np.ndarray]:
-        return self.search_clients[slot].wait_search()
+        """The answer of the search in flight in `slot`. A search the inference actor failed (a CUDA error while
+        it captured a graph, say) is sent again, up to SEARCH_RETRIES times in a row, so that one failed batch
+        does not end a self-play actor; a request that keeps failing raises."""
+        for attempt in range(SEARCH_RETRIES + 1):
+            try:
+                return self.search_clients[slot].wait_search()
+            except InferenceError as error:
+                if attempt == SEARCH_RETRIES:
+                    raise
+                log.warning("%s: whole search failed on the inference actor (%s); sending it again",
+                            self.client_id, str(error).strip().splitlines()[0][:200] if str(error).strip() else "")
+                obs, temperature = self._sent[slot]
+                self.search_clients[slot].submit_search(obs, temperature)
+        raise AssertionError("unreachable")
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The inference actor receives weights from the driver directly."""

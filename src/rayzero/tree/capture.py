@@ -81,7 +81,10 @@ class CapturedSearch:
                 run()
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: other threads of the process (the inference actor's weight stager, say) may keep making
+        # CUDA calls such as an event synchronize while this thread captures; in the default global mode any of
+        # them invalidates the capture and fails both.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = run()
 
     def __call__(
