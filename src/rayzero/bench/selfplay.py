@@ -6,8 +6,8 @@ reports env steps/s and frames/s in the steady state, the env-only ceiling measu
 actors stepping the same envs with random actions), their ratio, the decision latency per step (p50, p99;
 every env of an actor waits one batched step for its next action), one env alone (p50, p99), GPU utilisation
 and energy per env step (NVML), and how full the inference actor's batches were. On a GPU host the
-default rows are the `atari` preset at 50 and 200 simulations, and with `search.device=cpu` (trees walked by
-the self-play actors, leaves evaluated by the inference actor).
+default rows are the `atari` preset at 50 simulations with its envs per actor and with 64, at 200 simulations,
+and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor).
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
@@ -225,7 +225,10 @@ def main(quick: bool = False, json_path: str | None = None, seconds: float | Non
     if quick:
         variants = [("cartpole", ["inference.mode=central", "cluster.num_selfplay_actors=1", "env.num_envs=8"])]
     elif gpu:
-        variants = [("atari", []), ("atari", ["search.num_simulations=200"]), ("atari", ["search.device=cpu"])]
+        # The preset, then 64 envs per actor (searches of 4x the roots: the one-GPU-host issue's question), 200
+        # simulations, and the trees walked on the CPU.
+        variants = [("atari", []), ("atari", ["env.num_envs=64"]), ("atari", ["search.num_simulations=200"]),
+                    ("atari", ["search.device=cpu"])]
     else:
         variants = [("cartpole", ["inference.mode=central"])]
     if seconds is None:
