@@ -234,8 +234,12 @@ def main(quick: bool = False, json_path: str | None = None, seconds: float | Non
     if seconds is None:
         seconds = 3.0 if quick else 30.0
     cluster.connect(ClusterConfig())
+    rows: list[dict[str, Any]] = []
     try:
-        rows = [served(preset, overrides, seconds) for preset, overrides in variants]
+        for preset, overrides in variants:
+            rows.append(served(preset, overrides, seconds))
+            if json_path:  # rows so far, in case a later one does not finish (a device call's time limit)
+                write_json(json_path, "selfplay", {"quick": quick, "served": rows, "worker": [], "partial": True})
     finally:
         ray.shutdown()
     worker_rows = [] if gpu and not quick else [
