@@ -33,7 +33,7 @@ def slow():
 
 @pytest.fixture(scope="module")
 def flaky():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield Flaky.remote()
     ray.shutdown()
 

@@ -26,7 +26,7 @@ def test_evaluation_through_the_inference_actor_plays_the_local_evaluations_epis
     weights = (7, {k: v.clone() for k, v in model.state_dict().items()})
 
     local = EvalWorker(env_cfg, model_cfg, search_cfg, 0.99).evaluate(weights, 3, 60, seed=11)
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4)
         server = ray.remote(InferenceServer).options(max_concurrency=100).remote(

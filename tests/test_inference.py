@@ -236,7 +236,7 @@ def test_served_through_ray_to_a_selfplay_search():
     from rayzero.actors.network import RemoteNetwork
     from rayzero.tree import SearchConfig, search
 
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=500)
         actor = ray.remote(InferenceServer).options(max_concurrency=100).remote(MODEL, cfg, (4,), 3, 0)
@@ -785,7 +785,7 @@ def test_selfplay_in_halves_through_ray(whole_search):
     from rayzero.replay import ReplayBuffer
     from rayzero.tree import SearchConfig
 
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         search_cfg = SearchConfig(num_simulations=6)
         cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=500)

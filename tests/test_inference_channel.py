@@ -18,7 +18,7 @@ MODEL = ModelConfig(kind="mlp", latent_dim=8, hidden=16, support_size=5)
 
 @pytest.fixture(scope="module")
 def actor():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
     server = ray.remote(InferenceServer).options(max_concurrency=100).remote(MODEL, cfg, (4,), 3, 0)
     ray.get(server.get_version.remote())

@@ -271,7 +271,7 @@ def test_selfplay_halves_on_a_gpu_inference_actor_through_channels(whole_search)
     cfg = config_lib.load("atari", ["env.num_envs=4", "search.num_simulations=8", "replay.segment_length=10",
                                     "replay.min_size=0", "replay.shared_obs=false"])
     spec = env_spec(cfg.env)
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False)
     try:
         server = ray.remote(InferenceServer).options(num_gpus=1, max_concurrency=100).remote(
             cfg.model, InferenceConfig(device="cuda", search_max_batch=16), spec.observation_shape,

@@ -405,7 +405,7 @@ def consistency_through_a_replay_actor(learner_cfg, num_gpus=0, calls=5, steps=3
     memory, restacked by the learner)."""
     import ray
 
-    ray.init(num_cpus=2, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     try:
         cfg = ReplayConfig(capacity=4000, unroll_steps=3, td_steps=3, min_size=0, next_obs=True, shared_obs=True,
                            frame_stack=4)

@@ -61,7 +61,7 @@ def test_two_gpu_group_trains_a_channels_last_net_with_flat_sync():
                            root_values=rng.normal(size=40).astype(np.float32), num_sampleable=40, terminal=True,
                            bootstrap_value=0.0))
     batches = [[buffer.sample(16) for _ in range(3)] for _ in range(2)]
-    ray.init(num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
         ranks = learner_ranks(2, cpus=0.0, gpus=1.0)
         group = ray.remote(LearnerGroup).options(**ranks.facade_options).remote(

@@ -392,7 +392,7 @@ def _served(quick: bool, monitor: GpuMonitor | None, trace_path: str | None, cli
         cfg = InferenceConfig(device="cuda", max_batch=4096, min_bucket=512, max_wait_us=2000, search_max_batch=0,
                               latent_pool_size=65536)
     started = time.monotonic()
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
     try:
         server = ray.remote(InferenceServer).options(
             num_gpus=0 if quick else 1, num_cpus=1, max_concurrency=1000).remote(model_cfg, cfg, obs_shape,

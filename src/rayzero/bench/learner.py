@@ -415,7 +415,7 @@ def main(quick: bool = False, json_path: str | None = None, batches: tuple[int, 
         sizes = dataclasses.replace(sizes, timed_calls=timed_calls)
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(include_dashboard=False, log_to_driver=True, **({"num_cpus": 2} if quick else {}))
+        ray.init(address="local", include_dashboard=False, log_to_driver=True, **({"num_cpus": 2} if quick else {}))
     gpus = int(ray.cluster_resources().get("GPU", 0))
     gpu = gpus >= 1 and not quick
     worlds = [1, 2] if not gpu else [w for w in (1, 2, 4) if w <= gpus]
