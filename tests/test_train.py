@@ -70,8 +70,8 @@ def test_two_learner_ranks_with_replay_shards_and_reanalyse_resume(tmp_path):
 
 def test_atari_smoke_train_then_eval(tmp_path):
     run_dir = tmp_path / "pong"
-    rayzero(
-        "train", "--config", "atari", "--out", str(run_dir), "--time-limit", "45",
+    rayzero(  # ends after 4 updates (or at the time limit on a machine too loaded to get there: then it fails)
+        "train", "--config", "atari", "--out", str(run_dir), "--time-limit", "240", "run.max_learner_steps=4",
         "env.num_envs=2", "search.num_simulations=4", "model.channels=16", "model.support_size=10",
         "replay.capacity=3000", "replay.min_size=100", "replay.segment_length=50", "learner.batch_size=8",
         "learner.steps_per_call=2", "learner.checkpoint_interval=4", "run.eval_episodes=1",
