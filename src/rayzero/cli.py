@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("preset", nargs="?", default="cartpole", help="preset name (cartpole, atari) or a YAML file")
     show.add_argument("overrides", nargs="*", help="section.field=value")
 
-    bench = sub.add_parser("bench", help="run a benchmark (tree, inference, selfplay, learner, learning, load)")
+    bench = sub.add_parser("bench", help="run a benchmark (tree, inference, selfplay, learner, learning, load, faults)")
     bench.add_argument("name")
     bench.add_argument("--quick", action="store_true", help="smoke size that runs on a 2-core CPU")
     bench.add_argument("--json", default=None, help="write the results here")
@@ -135,7 +135,7 @@ def _config(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = ("tree", "inference", "selfplay", "learner", "learning", "load")
+    names = ("tree", "inference", "selfplay", "learner", "learning", "load", "faults")
     if args.name not in names:
         raise UsageError(f"unknown benchmark {args.name!r}: valid are {', '.join(names)}")
     try:
