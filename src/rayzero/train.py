@@ -183,14 +183,15 @@ class Driver:
         self.counters.learner_steps = counters["learner_steps"]
         state = {
             "env_steps": self.counters.env_steps, "learner_steps": counters["learner_steps"],
-            "version": counters["version"], "episodes": self.counters.episodes, "wall_seconds": self._wall(),
+            "version": counters["version"], "episodes": self.counters.episodes, "wall_seconds": self.wall(),
             "env_id": self.config.env.id, "best_eval_return": None if self.best_eval == -math.inf else self.best_eval,
         }
         path = ckpt.commit(self.run_dir, staging, counters["learner_steps"], state)
         self.storage.sync()
         return path
 
-    def _wall(self) -> float:
+    def wall(self) -> float:
+        """Seconds this run has trained, across resumes (the clock of metrics rows)."""
         return self.wall_before + time.perf_counter() - self.start
 
     # -- start and end ---------------------------------------------------------------------------------
@@ -337,6 +338,7 @@ class Driver:
                 # snapshot, and the schedule calls the learner again.
                 self.faults["learner_calls_broken_by_replay"] += 1
                 self._restartable_failed("replay", 0, error)
+                self._wait_for_replay(handles)
                 return
             self.failures.pop(("replay", 0), None)
             self._add_learn(result)
@@ -372,8 +374,26 @@ class Driver:
         self.failures[key] = self.failures.get(key, 0) + 1
         if self.failures[key] > MAX_RESTARTS_IN_A_ROW:
             raise RuntimeError(f"the {role} actor failed {self.failures[key]} times in a row; last: {error}") from error
-        log.warning("%s actor %d failed (%s); Ray restarts it and it is called again", role, index,
-                    type(error).__name__)
+        what = "a replay shard the learner sampled" if role == "replay" else f"{role} actor {index}"
+        log.warning("%s failed (%s); Ray restarts it and it is called again", what, type(error).__name__)
+
+    def _wait_for_replay(self, handles: cluster.Handles, patience: float = 120.0) -> None:
+        """Until every replay shard answers again (Ray restarts a dead one, which reloads its last snapshot), so
+        the learner is not called into a shard that is still starting; then says what each restart restored."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                restarts = handles.replay.restarts(timeout=10)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a replay shard did not come back within {patience:.0f} s: "
+                                       f"{_last_line(error)}") from error
+                time.sleep(0.5)  # unavailable (not yet known dead) fails at once: a pause before asking again
+        for shard, restart in enumerate(restarts):
+            if restart["restarted"]:
+                log.info("replay shard %d was restarted from %s (%d positions)", shard,
+                         restart["restored_from"] or "nothing (no checkpoint yet)", restart["restored_total_added"])
 
     def _add_collect(self, result: dict[str, Any], index: int) -> None:
         self.ledger.collected(cluster.selfplay_name(index), result)
@@ -458,7 +478,7 @@ class Driver:
         self.last_eval = result
         self.best_eval = max(self.best_eval, result["mean"])
         metrics.write({
-            "time": time.time(), "wall_seconds": self._wall(), "env_steps": self.counters.env_steps,
+            "time": time.time(), "wall_seconds": self.wall(), "env_steps": self.counters.env_steps,
             "learner_steps": self.counters.learner_steps, "version": result["version"],
             "eval_return_mean": result["mean"], "eval_return_std": result["std"],
             "eval_episodes": len(result["returns"]),
@@ -534,12 +554,13 @@ class Driver:
         counters, last_eval = self.counters, self.last_eval
         restarts = handles.replay.restarts()
         accounts = self.ledger.reconcile(handles.replay.arrivals(), [r["restarted"] for r in restarts])
-        faults = {**self.faults, "replay_shards_restarted": sum(r["restarted"] for r in restarts)}
+        faults = {**self.faults, "replay_shards_restarted": sum(r["restarted"] for r in restarts),
+                  "replay_restores": [{"shard": i, **r} for i, r in enumerate(restarts) if r["restarted"]]}
         return {
             "env_id": self.config.env.id,
             "env_steps": counters.env_steps,
             "learner_steps": counters.learner_steps,
-            "wall_seconds": self._wall(),
+            "wall_seconds": self.wall(),
             "eval_return_mean": last_eval["mean"],
             "eval_return_std": last_eval["std"],
             "eval_episodes": len(last_eval["returns"]),

@@ -89,7 +89,7 @@ class FaultInjector:
             if s.node_at is not None and now >= s.node_at and NODE not in done:
                 done.add(NODE)
                 self.cluster.remove_node(self.worker)
-                self.injected.append({"kind": NODE, "at": now})
+                self._record(NODE, now)
 
     def _kill_selfplay(self, now: float) -> None:
         import ray
@@ -99,13 +99,13 @@ class FaultInjector:
             return
         index, actor = self.random.choice(started)
         ray.kill(actor, no_restart=True)
-        self.injected.append({"kind": SELFPLAY, "at": now, "target": index})
+        self._record(SELFPLAY, now, target=index)
 
     def _kill_inference(self, now: float) -> None:
         import ray
 
         ray.kill(self.driver.handles.inference, no_restart=True)
-        self.injected.append({"kind": INFERENCE, "at": now})
+        self._record(INFERENCE, now)
 
     def _has_checkpoint(self) -> bool:
         from rayzero.learner import checkpoint as ckpt
@@ -127,8 +127,12 @@ class FaultInjector:
             snapshot_added = json.loads(bytes(data["meta"]).decode())["total_added"]
         held = ray.get(shards.actors[0].stats.remote())["total_added"]
         ray.kill(shards.actors[0], no_restart=False)  # a crash: Ray restarts it
-        self.injected.append({"kind": SHARD, "at": now, "target": 0, "total_added_before": held,
-                              "snapshot_total_added": snapshot_added, "snapshot": str(snapshot)})
+        self._record(SHARD, now, target=0, total_added_before=held, snapshot_total_added=snapshot_added,
+                     snapshot=str(snapshot.parent))
+
+    def _record(self, kind: str, now: float, **details: Any) -> None:
+        """`at`: seconds since the loop started; `wall_seconds`: on the clock of the run's metrics rows."""
+        self.injected.append({"kind": kind, "at": now, "wall_seconds": self.driver.wall(), **details})
 
 
 def overrides(time_limit: float, quick: bool) -> list[str]:

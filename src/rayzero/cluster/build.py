@@ -147,12 +147,13 @@ class _RemoteReplay(ReplayBuffer):
                 return
             self.restore(os.path.join(checkpoint, file_name))
             self.restored_from = str(checkpoint)
+        self.restored_total_added = self.total_added
 
     def restart(self) -> dict[str, Any]:
         """Whether this process is a restart, the checkpoint it restored (None: none yet, it started empty) and
-        the positions it then held."""
-        return {"restarted": self.restarted, "restored_from": self.restored_from, "pid": os.getpid(),
-                "total_added": self.total_added}
+        the positions that snapshot had stored (`total_added`)."""
+        return {"restarted": self.restarted, "restored_from": self.restored_from,
+                "restored_total_added": self.restored_total_added}
 
 
 def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:
