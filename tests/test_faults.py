@@ -7,7 +7,7 @@ import pytest
 
 from rayzero import config as config_lib
 from rayzero.bench import faults
-from rayzero.ledger import ACTOR_KILLED, SHARD_DOWN, SHARD_RESTORED, UNEXPLAINED, TransitionLedger
+from rayzero.ledger import ACTOR_KILLED, INFERENCE_KILLED, SHARD_DOWN, SHARD_RESTORED, UNEXPLAINED, TransitionLedger
 
 # Loop-start seconds of each fault: a self-play kill every 10 s (two or three in the run), then the inference
 # actor, a replay shard (after the first checkpoint) and the worker node.
@@ -71,6 +71,9 @@ def test_every_transition_sent_is_in_replay_or_lost_with_a_reason_within_the_bou
     # A killed actor loses at most the segment each of its envs had not sent yet.
     killed_actors = summary["faults"]["selfplay_actors_replaced"]
     assert lost[ACTOR_KILLED] <= killed_actors * cfg.env.num_envs * (window - 1)
+    # A killed inference actor costs at most, per self-play actor, the episodes its time limit cut in that step.
+    actors = 1 + killed_actors + cfg.cluster.max_selfplay_actors
+    assert lost[INFERENCE_KILLED] <= actors * cfg.env.num_envs * (window - 1)
     # A killed shard loses what it stored since its snapshot, plus the collects in flight when it died.
     kill = _of(faulted, faults.SHARD)[0]
     in_flight = 2 * cfg.run.selfplay_steps_per_call * cfg.env.num_envs
@@ -82,13 +85,14 @@ def test_the_ledger_sorts_each_position_sent_into_replay_or_a_reason():
     ledger = TransitionLedger(num_shards=2)
     ledger.collected("a", {"sent_by_shard": [100, 50], "transitions_held": 30})
     ledger.collected("b", {"sent_by_shard": [40, 60], "transitions_held": 70, "transitions_dropped": 5})
-    ledger.collected("b", {"sent_by_shard": [10, 0], "transitions_held": 20})
+    ledger.collected("b", {"sent_by_shard": [10, 0], "transitions_held": 20, "transitions_discarded": 3})
     ledger.actor_lost("b")  # its last collect got 8 positions to shard 1 before it died
     # Shard 0 came back from a snapshot that lacked 25 of a's positions; shard 1 never restarted.
     accounts = ledger.reconcile([{"a": 75, "b": 50}, {"a": 50, "b": 68}], restarted=[True, False])
     assert accounts == {
         "transitions_sent": 75 + 50 + 50 + 68 + 25 + 5, "transitions_in_replay": 75 + 50 + 50 + 68,
-        "lost_transitions": {SHARD_RESTORED: 25, SHARD_DOWN: 5, ACTOR_KILLED: 20 - 8, UNEXPLAINED: 0}}
+        "lost_transitions": {SHARD_RESTORED: 25, SHARD_DOWN: 5, ACTOR_KILLED: 20 - 8, INFERENCE_KILLED: 3,
+                             UNEXPLAINED: 0}}
     # The same shortfall on a shard that never restarted is a bug, and reported as one.
     accounts = ledger.reconcile([{"a": 75, "b": 50}, {"a": 50, "b": 68}], restarted=[False, False])
     assert accounts["lost_transitions"][UNEXPLAINED] == 25

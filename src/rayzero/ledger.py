@@ -8,8 +8,11 @@ and which shards Ray restarted, and sorts every position sent into "in replay" o
   * `replay_shard_restored`: stored by a shard that crashed and came back from its last snapshot without it;
   * `replay_shard_down`: sent while its shard was down (the add failed);
   * `unexplained`: acknowledged by a shard that never restarted, yet not there (a bug; should stay 0).
-So sent == in replay + the lost counts of those reasons. Apart from these, `selfplay_actor_killed` counts the
-positions a dead actor had recorded but not yet sent: they never were transitions sent, but they are lost.
+So sent == in replay + the lost counts of those reasons. Apart from these, two reasons count positions that
+self-play had recorded but never sent, so they are lost without having been transitions sent:
+  * `selfplay_actor_killed`: held in the buffers of an actor that died;
+  * `inference_actor_killed`: the last segment of an episode cut by the time limit whose bootstrap value
+    could not be computed because the inference actor died.
 No Ray here: numbers in, numbers out (tests/test_faults.py checks it against a real faulted run).
 """
 
@@ -18,8 +21,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-SHARD_RESTORED, SHARD_DOWN, ACTOR_KILLED, UNEXPLAINED = (
-    "replay_shard_restored", "replay_shard_down", "selfplay_actor_killed", "unexplained")
+SHARD_RESTORED, SHARD_DOWN, ACTOR_KILLED, INFERENCE_KILLED, UNEXPLAINED = (
+    "replay_shard_restored", "replay_shard_down", "selfplay_actor_killed", "inference_actor_killed", "unexplained")
 
 
 class TransitionLedger:
@@ -33,6 +36,7 @@ class TransitionLedger:
         self.base = [collections.Counter(a) for a in (arrivals_at_start or [{}] * num_shards)]
         self.held: dict[str, int] = {}
         self.dropped: collections.Counter = collections.Counter()
+        self.discarded: dict[str, int] = {}  # per sender, since it started (a running count in its results)
         self.killed: set[str] = set()
 
     def collected(self, source: str, result: dict[str, Any]) -> None:
@@ -41,6 +45,7 @@ class TransitionLedger:
             self.acknowledged[shard][source] += positions
         self.held[source] = result.get("transitions_held", 0)
         self.dropped[source] += result.get("transitions_dropped", 0)
+        self.discarded[source] = result.get("transitions_discarded", 0)
 
     def actor_lost(self, source: str) -> None:
         """`source` died: what it held unsent is lost (less what its last, unfinished collect got to replay)."""
@@ -53,7 +58,7 @@ class TransitionLedger:
         if len(arrivals) != self.num_shards or len(restarted) != self.num_shards:
             raise ValueError(f"reconcile: {len(arrivals)} arrivals and {len(restarted)} restart flags for "
                              f"{self.num_shards} shards")
-        lost = dict.fromkeys((SHARD_RESTORED, SHARD_DOWN, ACTOR_KILLED, UNEXPLAINED), 0)
+        lost = dict.fromkeys((SHARD_RESTORED, SHARD_DOWN, ACTOR_KILLED, INFERENCE_KILLED, UNEXPLAINED), 0)
         sent = in_replay = 0
         unacknowledged: collections.Counter = collections.Counter()  # arrivals of a collect that never returned
         for shard in range(self.num_shards):
@@ -70,5 +75,6 @@ class TransitionLedger:
         down = sum(self.dropped.values())
         sent += down
         lost[SHARD_DOWN] = down
+        lost[INFERENCE_KILLED] = sum(self.discarded.values())
         lost[ACTOR_KILLED] = sum(max(0, self.held[source] - unacknowledged[source]) for source in self.killed)
         return {"transitions_sent": sent, "transitions_in_replay": in_replay, "lost_transitions": lost}

@@ -497,7 +497,7 @@ class Driver:
             "env_steps_per_second": (counters.env_steps - self.at_start.env_steps) / elapsed,
             "learner_steps_per_second": (counters.learner_steps - self.at_start.learner_steps) / elapsed,
             "episodes": counters.episodes, "reanalysed": counters.reanalysed,
-            **self.last_metrics,
+            **self.faults, **self.last_metrics,
         }
         if recent:
             row["train_return_mean"] = float(np.mean(recent))

@@ -86,6 +86,8 @@ class SelfPlayWorker:
         self.buf_value = np.zeros((E, W), dtype=np.float32)
         self.length = np.zeros(E, dtype=np.int64)
         self.env_steps = 0
+        self.discarded = 0  # positions dropped unsent: their episode's bootstrap value was lost with the network
+        self._network_lost = ""  # set by a step whose bootstrap evaluation found the inference actor dead
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         self.evaluator.set_weights(state_dict)
@@ -202,9 +204,20 @@ class SelfPlayWorker:
         bootstrap = np.zeros(len(rows), dtype=np.float32)
         truncated_only = ended[~result.terminated[ended]]
         if len(truncated_only):
-            values = self.evaluator.root(result.final_obs[truncated_only]).value
-            self.evaluator.release()
-            bootstrap[truncated_only] = values.float().cpu().numpy()
+            try:
+                values = self.evaluator.root(result.final_obs[truncated_only]).value
+                self.evaluator.release()
+                bootstrap[truncated_only] = values.float().cpu().numpy()
+            except Exception as error:  # noqa: BLE001 - only a dead inference actor is handled; others re-raise
+                if not _actor_died(error):
+                    raise
+                # The envs have stepped, so the step stands; the truncated episodes' last segments cannot get
+                # their bootstrap value and are dropped (counted), and the collect ends after this step.
+                self._network_lost = _describe(error)
+                for i in truncated_only:
+                    self.discarded += int(self.length[rows[i]])
+                    self.length[rows[i]] = 0
+                ended = ended[result.terminated[ended]]
         for i in ended:
             env = int(rows[i])
             n = int(self.length[env])
@@ -242,13 +255,16 @@ class SelfPlayWorker:
             except Exception as error:  # noqa: BLE001 - only a dead inference actor is handled; others re-raise
                 if not _actor_died(error):
                     raise
-                inference_lost = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+                inference_lost = _describe(error)
                 break
             step_seconds.append(time.perf_counter() - began)
             for segment in segments:
                 pending.append((segment.num_sampleable, self.sink(segment) if self.sink is not None else None))
             returns.extend(self._last_episodes[0])
             lengths.extend(self._last_episodes[1])
+            if self._network_lost:  # the step stood, but the network went away during it
+                inference_lost, self._network_lost = self._network_lost, ""
+                break
         delivered = _delivered([result for _, result in pending])
         self.last_deliveries = [(n, ok) for (n, _), ok in zip(pending, delivered)]
         result = {
@@ -256,6 +272,7 @@ class SelfPlayWorker:
             "transitions_sent": sum(n for n, ok in self.last_deliveries if ok),
             "transitions_dropped": sum(n for n, ok in self.last_deliveries if not ok),
             "transitions_held": self.held,
+            "transitions_discarded": self.discarded,  # since the worker started
             "episode_returns": returns,
             "episode_lengths": lengths,
             "version": self.version,
@@ -274,6 +291,10 @@ def _actor_died(error: BaseException) -> bool:
     except ImportError:
         return False
     return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
 
 
 def _delivered(results: list[Any]) -> list[bool]:

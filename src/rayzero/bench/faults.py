@@ -204,13 +204,23 @@ def survived(result: dict[str, Any]) -> dict[str, dict[str, int]]:
     return {kind: {"injected": count[kind], "survived": recovered[kind] if completed else 0} for kind in count}
 
 
+def throughput(rows: list[dict[str, Any]]) -> float:
+    """Env steps per second from the first collect to the last progress row: start-up (a few seconds of Ray
+    and actors starting, which varies with the machine's load) and the final evaluation are left out."""
+    progress = [r for r in rows if "env_steps_per_second" in r and r["env_steps"] > 0]
+    if len(progress) < 2:
+        return 0.0
+    first, last = progress[0], progress[-1]
+    return (last["env_steps"] - first["env_steps"]) / (last["wall_seconds"] - first["wall_seconds"])
+
+
 def figures(result: dict[str, Any]) -> dict[str, Any]:
     summary = result["summary"]
     return {
         "env_steps": summary["env_steps_this_run"],
         "learner_steps": summary["learner_steps_this_run"],
         "wall_seconds": summary["wall_seconds"],
-        "env_steps_per_second": summary["env_steps_this_run"] / summary["wall_seconds"],
+        "env_steps_per_second": throughput(result["rows"]),
         "final_eval_mean": summary["eval_return_mean"],
         "final_eval_std": summary["eval_return_std"],
         "eval_episodes": summary["eval_episodes"],
@@ -241,12 +251,18 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
         print(f"{name:<11} {f'{injected}/{ok}':>15} {sum(r['lost_transitions'].values()):>6d} "
               f"{r['transitions_sent']:>7d} {r['env_steps_per_second']:>11.1f} "
               f"{r['final_eval_mean']:>7.1f} ± {r['final_eval_std']:<5.1f}")
+    # "Not below within noise": at most two standard errors of the difference of the two means below.
+    noise = 2.0 * float(np.hypot(*(r["final_eval_std"] / np.sqrt(max(1, r["eval_episodes"])) for r in (free, faulted))))
+    eval_ok = faulted["final_eval_mean"] >= free["final_eval_mean"] - noise
     print(f"throughput ratio (faulted / fault-free): {ratio:.2f}  (bar: >= 0.70)")
+    print(f"final eval: faulted {faulted['final_eval_mean']:.1f} vs fault-free {free['final_eval_mean']:.1f}, "
+          f"noise (2 standard errors of the difference) {noise:.1f}: {'within' if eval_ok else 'below'}")
     for kind, f in faulted["faults"].items():
         print(f"  {kind:<16} injected {f['injected']:>2d}  survived {f['survived']:>2d}")
     print(f"  lost transitions: {faulted['lost_transitions']}")
     document = {"time_limit": time_limit, "schedule": dataclasses.asdict(schedule), "runs": results,
-                "throughput_ratio": ratio, "cpus": os.cpu_count()}
+                "throughput_ratio": ratio, "eval_noise": noise, "eval_not_below_within_noise": eval_ok,
+                "cpus": os.cpu_count()}
     return write_json(json_path, "faults", document)
 
 
