@@ -459,7 +459,11 @@ class Driver:
                 continue
             except Exception as error:  # noqa: BLE001 - logged; a learner's failure is raised below
                 log.warning("%s call %d failed while the run ended: %s", call.role, call.index, _last_line(error))
-                if call.role == LEARN:
+                # A learner call that a dying replay shard broke left a consistent learner (the steps it took
+                # stand); any other learner failure leaves nothing to checkpoint.
+                broken_by_replay = isinstance(error, ray.exceptions.RayTaskError) and \
+                    isinstance(error, ray.exceptions.RayActorError)
+                if call.role == LEARN and not broken_by_replay:
                     failed = error
                 continue
             if call.role == COLLECT:

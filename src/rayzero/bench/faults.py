@@ -8,7 +8,7 @@ from the main thread on a `FaultSchedule`: a random self-play actor every interv
 gives, for both runs: faults injected and survived, transitions lost per reason, the final greedy evaluation
 and env-step throughput. tests/test_faults.py runs a short schedule of it and checks what a user relies on.
 
-    rayzero bench faults [--quick] [--json PATH]
+    rayzero bench faults [--quick] [--json PATH] [--kill-every SECONDS]
 """
 
 from __future__ import annotations
@@ -232,9 +232,11 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
+def main(quick: bool = False, json_path: str | None = None, selfplay_every: float = 10.0) -> dict[str, Any]:
+    """`selfplay_every`: seconds between self-play actor kills."""
     time_limit = 60.0 if quick else 240.0
-    schedule = (FaultSchedule(10.0, 15.0, 25.0, 35.0) if quick else FaultSchedule(10.0, 60.0, 100.0, 140.0))
+    schedule = (FaultSchedule(selfplay_every, 15.0, 25.0, 35.0) if quick
+                else FaultSchedule(selfplay_every, 60.0, 100.0, 140.0))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, faults in (("fault_free", NO_FAULTS), ("faulted", schedule)):
