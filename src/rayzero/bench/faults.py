@@ -149,7 +149,8 @@ def overrides(time_limit: float, quick: bool) -> list[str]:
 def run(schedule: FaultSchedule, out: Path, time_limit: float, quick: bool = False, seed: int = 0,
         head_cpus: int = 3) -> dict[str, Any]:
     """One training run on a new head + worker cluster, with the faults of `schedule` injected. Returns the
-    summary, the metrics rows and the faults injected; an error of the driver is raised."""
+    summary, the metrics rows, the faults injected and the weights version of the inference actor at the end;
+    an error of the driver is raised."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -179,11 +180,14 @@ def run(schedule: FaultSchedule, out: Path, time_limit: float, quick: bool = Fal
             thread.join()
         if "error" in outcome:
             raise outcome["error"]
+        # The weights the inference actor serving at the end holds (after a kill: its replacement's).
+        outcome["inference_version"] = ray.get(driver.handles.inference.get_version.remote(), timeout=60)
     finally:
         ray.shutdown()
         cluster.shutdown()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
-    return {"summary": outcome["summary"], "rows": rows, "injected": injector.injected}
+    return {"summary": outcome["summary"], "rows": rows, "injected": injector.injected,
+            "inference_version": outcome["inference_version"]}
 
 
 def survived(result: dict[str, Any]) -> dict[str, dict[str, int]]:
