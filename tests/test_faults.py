@@ -32,6 +32,11 @@ def test_training_completes_through_every_fault_and_the_learner_step_never_goes_
         faults.SELFPLAY: counts[faults.SELFPLAY]["injected"], faults.INFERENCE: 1, faults.SHARD: 1, faults.NODE: 1}
     assert counts[faults.SELFPLAY]["injected"] >= 2
     assert all(c["survived"] == c["injected"] for c in counts.values()), counts
+    # The worker node's one CPU held a self-play actor (or a replacement inference actor): it was replaced too.
+    f = summary["faults"]
+    beyond_kills = (f["selfplay_actors_replaced"] - counts[faults.SELFPLAY]["injected"]
+                    + f["inference_actors_replaced"] - counts[faults.INFERENCE]["injected"])
+    assert beyond_kills >= 1, f
     steps = [r["learner_steps"] for r in rows if "learner_steps" in r] + [summary["learner_steps"]]
     assert all(a <= b for a, b in zip(steps, steps[1:])), steps
     # Both self-play and the learner went on after the last of the single faults (self-play kills go on).
@@ -43,7 +48,7 @@ def test_training_completes_through_every_fault_and_the_learner_step_never_goes_
 
 def test_the_inference_actor_is_replaced_and_self_play_acts_through_the_new_one(faulted):
     summary, rows = faulted["summary"], faulted["rows"]
-    assert summary["faults"]["inference_actors_replaced"] == 1
+    assert summary["faults"]["inference_actors_replaced"] >= 1  # twice if the replacement went to the worker
     # The actor serving at the end is the replacement (the killed one cannot answer), with the final weights.
     assert faulted["inference_version"] == summary["weights_version"]
     killed = _of(faulted, faults.INFERENCE)[0]["wall_seconds"]

@@ -191,19 +191,19 @@ def run(schedule: FaultSchedule, out: Path, time_limit: float, quick: bool = Fal
 
 
 def survived(result: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Per kind of fault: how many were injected, and how many the run recovered from (the run completed, and
-    the driver's summary shows the replacement or restart)."""
+    """Per kind of fault: how many were injected, and how many the run recovered from. A run that did not
+    reach its time limit survived none. Otherwise a kill is survived when the summary shows its replacement or
+    restart; a node removal when the run went on (what it cost, a self-play or an inference actor that was on
+    the node, is replaced beyond the direct kills)."""
     summary, injected = result["summary"], result["injected"]
     faults = summary["faults"]
     count = {kind: sum(f["kind"] == kind for f in injected) for kind in (SELFPLAY, INFERENCE, SHARD, NODE)}
     completed = summary["stop_reason"] == "time_limit"
-    # A node removal costs the self-play actor on it; that replacement is counted with the self-play kills.
-    replaced = faults["selfplay_actors_replaced"]
     recovered = {
-        SELFPLAY: min(count[SELFPLAY], replaced),
+        SELFPLAY: min(count[SELFPLAY], faults["selfplay_actors_replaced"]),
         INFERENCE: min(count[INFERENCE], faults["inference_actors_replaced"]),
         SHARD: min(count[SHARD], faults["replay_shards_restarted"]),
-        NODE: min(count[NODE], max(0, replaced - count[SELFPLAY])),
+        NODE: count[NODE],
     }
     return {kind: {"injected": count[kind], "survived": recovered[kind] if completed else 0} for kind in count}
 
@@ -232,6 +232,7 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         "transitions_in_replay": summary["transitions_in_replay"],
         "lost_transitions": summary["lost_transitions"],
         "faults": survived(result),
+        "driver_faults": result["summary"]["faults"],  # what the driver replaced and restarted
         "injected": result["injected"],
     }
 
