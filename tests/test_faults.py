@@ -13,6 +13,7 @@ from rayzero.ledger import ACTOR_KILLED, INFERENCE_KILLED, SHARD_DOWN, SHARD_RES
 # actor, a replay shard (after the first checkpoint) and the worker node.
 SCHEDULE = faults.FaultSchedule(selfplay_every=10.0, inference_at=14.0, shard_at=20.0, node_at=26.0)
 TIME_LIMIT = 48.0
+END_TO_END = pytest.mark.slow  # the tests of the one faulted run (about a minute, shared through `faulted`)
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,7 @@ def _of(result, kind):
     return [f for f in result["injected"] if f["kind"] == kind]
 
 
+@END_TO_END
 def test_training_completes_through_every_fault_and_the_learner_step_never_goes_back(faulted):
     summary, rows = faulted["summary"], faulted["rows"]
     assert summary["stop_reason"] == "time_limit"
@@ -46,6 +48,7 @@ def test_training_completes_through_every_fault_and_the_learner_step_never_goes_
     assert summary["learner_steps"] > before["learner_steps"]
 
 
+@END_TO_END
 def test_the_inference_actor_is_replaced_and_self_play_acts_through_the_new_one(faulted):
     summary, rows = faulted["summary"], faulted["rows"]
     assert summary["faults"]["inference_actors_replaced"] >= 1  # twice if the replacement went to the worker
@@ -57,6 +60,7 @@ def test_the_inference_actor_is_replaced_and_self_play_acts_through_the_new_one(
     assert summary["env_steps"] >= at_kill + 2 * cfg.run.selfplay_steps_per_call * cfg.env.num_envs
 
 
+@END_TO_END
 def test_a_killed_replay_shard_comes_back_from_its_last_snapshot(faulted):
     summary = faulted["summary"]
     kill = _of(faulted, faults.SHARD)[0]
@@ -66,6 +70,7 @@ def test_a_killed_replay_shard_comes_back_from_its_last_snapshot(faulted):
     assert restore["restored_total_added"] >= kill["snapshot_total_added"]
 
 
+@END_TO_END
 def test_every_transition_sent_is_in_replay_or_lost_with_a_reason_within_the_bounds(faulted):
     summary = faulted["summary"]
     lost = summary["lost_transitions"]
