@@ -88,6 +88,7 @@ class SelfPlayWorker:
         self.env_steps = 0
         self.discarded = 0  # positions dropped unsent: their episode's bootstrap value was lost with the network
         self._network_lost = ""  # set by a step whose bootstrap evaluation found the inference actor dead
+        self.last_deliveries: list[tuple[int, bool]] = []  # the last collect's segments: (positions, reached replay)
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         self.evaluator.set_weights(state_dict)
