@@ -89,3 +89,15 @@ def test_a_collect_that_raises_replaces_its_self_play_actor_instead_of_ending_th
     d._record(failed_collect.remote(), Call(COLLECT, 3), handles=None, metrics=None)  # no exception
     assert [i for i, _ in replaced] == [3] and "operation failed during capture" in replaced[0][1]
     assert 3 not in d.active
+
+
+@ray.remote(num_cpus=0)
+def learn_from_a_dying_shard(shard):
+    ray.get(shard.die.remote())  # raises here: the learner's call fails with the shard's death as its cause
+
+
+def test_a_learner_call_broken_by_a_dying_replay_shard_does_not_fail_the_shutdown_drain(tmp_path, flaky):
+    d = driver(tmp_path)
+    d.pending = {learn_from_a_dying_shard.remote(flaky): Call(LEARN)}
+    d._drain()  # no exception: the learner is consistent, the final checkpoint can be written
+    assert d.pending == {}

@@ -48,13 +48,15 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("preset", nargs="?", default="cartpole", help="preset name (cartpole, atari) or a YAML file")
     show.add_argument("overrides", nargs="*", help="section.field=value")
 
-    bench = sub.add_parser("bench", help="run a benchmark (tree, inference, selfplay, learner, learning, load)")
+    bench = sub.add_parser("bench", help="run a benchmark (tree, inference, selfplay, learner, learning, load, faults)")
     bench.add_argument("name")
     bench.add_argument("--quick", action="store_true", help="smoke size that runs on a 2-core CPU")
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--trace", default=None, help="inference: write a Chrome trace of the batcher here")
     bench.add_argument("--seconds", type=float, default=None,
                        help="selfplay: timed seconds per row (default 30, --quick 3)")
+    bench.add_argument("--kill-every", type=float, default=None,
+                       help="faults: seconds between self-play actor kills (default 10)")
     return parser
 
 
@@ -135,7 +137,7 @@ def _config(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = ("tree", "inference", "selfplay", "learner", "learning", "load")
+    names = ("tree", "inference", "selfplay", "learner", "learning", "load", "faults")
     if args.name not in names:
         raise UsageError(f"unknown benchmark {args.name!r}: valid are {', '.join(names)}")
     try:
@@ -147,6 +149,13 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError("--seconds is only for `rayzero bench selfplay`")
         if not args.seconds > 0:
             raise UsageError(f"--seconds must be > 0, got {args.seconds}")
+    if args.kill_every is not None:
+        if args.name != "faults":
+            raise UsageError("--kill-every is only for `rayzero bench faults`")
+        if not args.kill_every > 0:
+            raise UsageError(f"--kill-every must be > 0, got {args.kill_every}")
+        module.main(quick=args.quick, json_path=args.json, selfplay_every=args.kill_every)
+        return 0
     if args.trace:
         if args.name != "inference":
             raise UsageError("--trace is only for `rayzero bench inference`")

@@ -4,6 +4,11 @@ What runs next is decided in schedule.py (no Ray there); this module waits on th
 never a sleep), records what comes back (counters, metrics, evaluations), fans the new weights out, replaces
 lost self-play actors, writes checkpoints when due and, at the end, lets in-flight work finish and writes a
 final checkpoint and summary.json. Ctrl-C and SIGTERM both end a run that way.
+
+Faults it survives: a self-play actor that dies is replaced; an inference actor that dies is replaced and every
+self-play actor re-pointed to the new one; a replay shard that dies is restarted by Ray from its last snapshot,
+and the learner call it broke is made again. What each fault cost is in summary.json (`faults`, and
+`lost_transitions` per reason, from ledger.py).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import json
 import math
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +30,7 @@ from rayzero import cluster
 from rayzero.config import Config, to_yaml
 from rayzero.envs import env_spec
 from rayzero.learner import checkpoint as ckpt
+from rayzero.ledger import TransitionLedger
 from rayzero.logs import logger
 from rayzero.replay.buffer import diagnostic_means
 from rayzero.schedule import COLLECT, LEARN, REANALYSE, Call, Counters, Rules, Schedule
@@ -154,24 +161,37 @@ class Driver:
         self.learner_version = 0  # of the weights the learner last published
         self.acting_versions: dict[int, int] = {}  # self-play actor -> weight version of its last collect
         self.replay_stats_before: dict | None = None  # replay diagnostics at the previous progress row
+        self.handles: cluster.Handles | None = None  # the roles, once built
+        self.ledger: TransitionLedger | None = None  # what self-play sent, what replay holds, what was lost
+        self.faults: dict[str, int] = {"selfplay_actors_replaced": 0, "inference_actors_replaced": 0,
+                                       "learner_calls_broken_by_replay": 0}
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
     def save_checkpoint(self, handles: cluster.Handles) -> Path:
         staging = ckpt.staging_dir(self.run_dir, self.counters.learner_steps)
-        ray.get([handles.learner.save.remote(str(staging)), *handles.replay.snapshot(staging)])
+        try:
+            ray.get([handles.learner.save.remote(str(staging)), *handles.replay.snapshot(staging)])
+        except ray.exceptions.RayActorError as error:
+            if isinstance(error, ray.exceptions.RayTaskError):
+                raise
+            # A replay shard died mid-snapshot (Ray restarts it from the previous one): once more, whole.
+            log.warning("a role died while writing checkpoint %s (%s); writing it again", staging.name,
+                        _last_line(error))
+            ray.get([handles.learner.save.remote(str(staging)), *handles.replay.snapshot(staging)])
         counters = ray.get(handles.learner.counters.remote())
         self.counters.learner_steps = counters["learner_steps"]
         state = {
             "env_steps": self.counters.env_steps, "learner_steps": counters["learner_steps"],
-            "version": counters["version"], "episodes": self.counters.episodes, "wall_seconds": self._wall(),
+            "version": counters["version"], "episodes": self.counters.episodes, "wall_seconds": self.wall(),
             "env_id": self.config.env.id, "best_eval_return": None if self.best_eval == -math.inf else self.best_eval,
         }
         path = ckpt.commit(self.run_dir, staging, counters["learner_steps"], state)
         self.storage.sync()
         return path
 
-    def _wall(self) -> float:
+    def wall(self) -> float:
+        """Seconds this run has trained, across resumes (the clock of metrics rows)."""
         return self.wall_before + time.perf_counter() - self.start
 
     # -- start and end ---------------------------------------------------------------------------------
@@ -187,12 +207,13 @@ class Driver:
         (run_dir / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2))
         log.info("resource plan (per actor; also in %s):\n%s", run_dir / "plan.json", plan.table())
         self.start = time.perf_counter()
-        handles = cluster.build(config, self.spec, plan)
+        handles = self.handles = cluster.build(config, self.spec, plan, run_dir=str(run_dir))
         if checkpoint is not None:
             ray.get([handles.learner.load.remote(str(checkpoint)), *handles.replay.restore(checkpoint)])
             self.replay_at_start = handles.replay.stats()
             log.info("resumed from %s at env_steps=%d learner_steps=%d, replay %d transitions", checkpoint,
                      self.counters.env_steps, self.counters.learner_steps, self.replay_at_start["size"])
+        self.ledger = TransitionLedger(len(handles.replay), handles.replay.arrivals())
         self.counters.replay_transitions = self.replay_at_start["total_added"]
         metrics = MetricsLog(run_dir)
         with self._signals():  # through the final evaluation and checkpoint: a signal there changes nothing
@@ -215,6 +236,9 @@ class Driver:
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread (a benchmark's, which runs this driver in another)
+            return
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
@@ -301,9 +325,23 @@ class Driver:
             self.active.add(call.index)
             self.acting_versions[call.index] = result["version"]
             self.losses_in_a_row = 0
-            self._add_collect(result)
+            self._add_collect(result, call.index)
+            if "inference_lost" in result:
+                self._inference_lost(call.index, result["inference_lost"], handles)
         elif call.role == LEARN:
-            self._add_learn(ray.get(ref))
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayTaskError as error:
+                if not isinstance(error, ray.exceptions.RayActorError):
+                    raise
+                # The learner is alive but a replay shard it sampled died: Ray restarts the shard from its last
+                # snapshot, and the schedule calls the learner again.
+                self.faults["learner_calls_broken_by_replay"] += 1
+                self._restartable_failed("replay", 0, error)
+                self._wait_for_replay(handles)
+                return
+            self.failures.pop(("replay", 0), None)
+            self._add_learn(result)
             self._publish(handles)
             if self.schedule.checkpoint_due(self.counters.learner_steps):
                 self.save_checkpoint(handles)
@@ -336,10 +374,29 @@ class Driver:
         self.failures[key] = self.failures.get(key, 0) + 1
         if self.failures[key] > MAX_RESTARTS_IN_A_ROW:
             raise RuntimeError(f"the {role} actor failed {self.failures[key]} times in a row; last: {error}") from error
-        log.warning("%s actor %d failed (%s); Ray restarts it and it is called again", role, index,
-                    type(error).__name__)
+        what = "a replay shard the learner sampled" if role == "replay" else f"{role} actor {index}"
+        log.warning("%s failed (%s); Ray restarts it and it is called again", what, type(error).__name__)
 
-    def _add_collect(self, result: dict[str, Any]) -> None:
+    def _wait_for_replay(self, handles: cluster.Handles, patience: float = 120.0) -> None:
+        """Until every replay shard answers again (Ray restarts a dead one, which reloads its last snapshot), so
+        the learner is not called into a shard that is still starting; then says what each restart restored."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                restarts = handles.replay.restarts(timeout=10)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a replay shard did not come back within {patience:.0f} s: "
+                                       f"{_last_line(error)}") from error
+                time.sleep(0.5)  # unavailable (not yet known dead) fails at once: a pause before asking again
+        for shard, restart in enumerate(restarts):
+            if restart["restarted"]:
+                log.info("replay shard %d was restarted from %s (%d positions)", shard,
+                         restart["restored_from"] or "nothing (no checkpoint yet)", restart["restored_total_added"])
+
+    def _add_collect(self, result: dict[str, Any], index: int) -> None:
+        self.ledger.collected(cluster.selfplay_name(index), result)
         self.counters.env_steps += result["env_steps"]
         self.counters.replay_transitions += result["transitions_sent"]
         self.counters.episodes += len(result["episode_returns"])
@@ -363,11 +420,29 @@ class Driver:
             raise RuntimeError(f"self-play actors keep failing; last error: {error}") from error
         lost = self.actors.pop(index)
         self.active.discard(index)
+        self.ledger.actor_lost(cluster.selfplay_name(index))
+        self.faults["selfplay_actors_replaced"] += 1
         ray.kill(lost, no_restart=True)
         self.actors[self.next_index] = cluster.make_selfplay(
             self.config, handles.plan, handles.replay, handles.inference, self.next_index)
         log.info("self-play actor %d lost (%s); replaced by actor %d", index, type(error).__name__, self.next_index)
         self.next_index += 1
+
+    def _inference_lost(self, index: int, reason: str, handles: cluster.Handles) -> None:
+        """Self-play actor `index` could not reach the inference actor. If it is dead, a new one starts with the
+        latest weights, and every self-play actor is pointed to it (before its next collect: calls from here to
+        one actor run in order). Later reports of the same death find the new actor alive and change nothing."""
+        try:
+            ray.get(handles.inference.get_version.remote(), timeout=60)
+            return  # alive: this report came from an actor that was still on a replaced one
+        except ray.exceptions.RayActorError:
+            pass
+        log.warning("the inference actor died (self-play actor %d: %s); starting a new one", index, reason)
+        handles.inference = cluster.make_inference(self.config, self.spec, handles.plan)
+        self.faults["inference_actors_replaced"] += 1
+        self._publish(handles, wait=True)
+        for actor in self.actors.values():
+            actor.set_inference.remote(handles.inference)
 
     def _drain(self) -> None:
         """Let in-flight work end, so the learner and replay are consistent for the checkpoint. A collect of an
@@ -384,11 +459,15 @@ class Driver:
                 continue
             except Exception as error:  # noqa: BLE001 - logged; a learner's failure is raised below
                 log.warning("%s call %d failed while the run ended: %s", call.role, call.index, _last_line(error))
-                if call.role == LEARN:
+                # A learner call that a dying replay shard broke left a consistent learner (the steps it took
+                # stand); any other learner failure leaves nothing to checkpoint.
+                broken_by_replay = isinstance(error, ray.exceptions.RayTaskError) and \
+                    isinstance(error, ray.exceptions.RayActorError)
+                if call.role == LEARN and not broken_by_replay:
                     failed = error
                 continue
             if call.role == COLLECT:
-                self._add_collect(result)
+                self._add_collect(result, call.index)
             elif call.role == LEARN:
                 self.counters.learner_steps = result["learner_steps"]
             elif call.role == REANALYSE:
@@ -403,7 +482,7 @@ class Driver:
         self.last_eval = result
         self.best_eval = max(self.best_eval, result["mean"])
         metrics.write({
-            "time": time.time(), "wall_seconds": self._wall(), "env_steps": self.counters.env_steps,
+            "time": time.time(), "wall_seconds": self.wall(), "env_steps": self.counters.env_steps,
             "learner_steps": self.counters.learner_steps, "version": result["version"],
             "eval_return_mean": result["mean"], "eval_return_std": result["std"],
             "eval_episodes": len(result["returns"]),
@@ -422,7 +501,7 @@ class Driver:
             "env_steps_per_second": (counters.env_steps - self.at_start.env_steps) / elapsed,
             "learner_steps_per_second": (counters.learner_steps - self.at_start.learner_steps) / elapsed,
             "episodes": counters.episodes, "reanalysed": counters.reanalysed,
-            **self.last_metrics,
+            **self.faults, **self.last_metrics,
         }
         if recent:
             row["train_return_mean"] = float(np.mean(recent))
@@ -434,7 +513,7 @@ class Driver:
             row["replay_size"] = replay_stats["size"]
             row.update(diagnostic_means(replay_stats, self.replay_stats_before))
             self.replay_stats_before = replay_stats
-        except ray.exceptions.GetTimeoutError:
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):  # a shard restarting: no row
             pass
         metrics.write(row)
         last = f"{self.last_eval['mean']:.1f}" if self.last_eval else "-"
@@ -477,11 +556,15 @@ class Driver:
     def _summary(self, handles: cluster.Handles, version: int, checkpoint: Path) -> dict[str, Any]:
         replay_stats = handles.replay.stats()
         counters, last_eval = self.counters, self.last_eval
+        restarts = handles.replay.restarts()
+        accounts = self.ledger.reconcile(handles.replay.arrivals(), [r["restarted"] for r in restarts])
+        faults = {**self.faults, "replay_shards_restarted": sum(r["restarted"] for r in restarts),
+                  "replay_restores": [{"shard": i, **r} for i, r in enumerate(restarts) if r["restarted"]]}
         return {
             "env_id": self.config.env.id,
             "env_steps": counters.env_steps,
             "learner_steps": counters.learner_steps,
-            "wall_seconds": self._wall(),
+            "wall_seconds": self.wall(),
             "eval_return_mean": last_eval["mean"],
             "eval_return_std": last_eval["std"],
             "eval_episodes": len(last_eval["returns"]),
@@ -499,6 +582,8 @@ class Driver:
             "replay_size_at_start": self.replay_at_start["size"],
             "replay_total_added_at_start": self.replay_at_start["total_added"],
             "seed": self.config.run.seed,
+            "faults": faults,
+            **accounts,
         }
 
 

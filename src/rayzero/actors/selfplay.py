@@ -9,6 +9,10 @@ Each env writes its steps into preallocated per-env arrays. A segment leaves whe
 `segment_length + unroll_steps + td_steps` steps have piled up: then the first `segment_length` positions
 are sampleable and the rest is a tail that completes their targets; the tail stays and starts the next
 segment, so no position is lost or duplicated as a start.
+
+Faults: a step whose search fails because the inference actor died is not recorded (nothing of it reached the
+buffers), so `collect` ends early with `inference_lost` and the driver hands over a new actor
+(`set_evaluator`); a segment whose replay shard died before storing it is counted as dropped, not raised.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 from collections.abc import Callable
 
@@ -81,11 +86,27 @@ class SelfPlayWorker:
         self.buf_value = np.zeros((E, W), dtype=np.float32)
         self.length = np.zeros(E, dtype=np.int64)
         self.env_steps = 0
+        self.discarded = 0  # positions dropped unsent: their episode's bootstrap value was lost with the network
+        self._network_lost = ""  # set by a step whose bootstrap evaluation found the inference actor dead
+        self.last_deliveries: list[tuple[int, bool]] = []  # the last collect's segments: (positions, reached replay)
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         self.evaluator.set_weights(state_dict)
         self.version = version
         return version
+
+    def set_evaluator(self, evaluator: Any) -> None:
+        """Search with `evaluator` from the next step on (a new inference actor after the old one died); the
+        envs and the steps already recorded are kept."""
+        self.evaluator = evaluator
+        for h, half in enumerate(self.halves):
+            half.network = evaluator.twin(f"half{h}") if self.threaded else None
+            half.searching = False
+
+    @property
+    def held(self) -> int:
+        """Positions recorded but not yet sent to replay (each becomes sampleable exactly once when sent)."""
+        return int(self.length.sum())
 
     def _emit(self, env: int, length: int, sampleable: int, terminal: bool, bootstrap: float) -> Segment:
         k = self.replay_cfg.frame_stack
@@ -153,7 +174,11 @@ class SelfPlayWorker:
         config = dataclasses.replace(self.search_cfg, temperature=temperature)
         first, second = self.halves
         future = self._pool.submit(search_observations, second.network, second.obs, config, second.generator)
-        outs = [search_observations(first.network, first.obs, config, first.generator), future.result()]
+        try:
+            first_out = search_observations(first.network, first.obs, config, first.generator)
+        finally:  # the second half's search ends (or fails) before anything else touches its state
+            wait_futures([future])
+        outs = [first_out, future.result()]
         segments = []
         for half, out in zip(self.halves, outs):
             segments += self._advance(half, out.action.cpu().numpy(), out.action_weights.float().cpu().numpy(),
@@ -180,9 +205,20 @@ class SelfPlayWorker:
         bootstrap = np.zeros(len(rows), dtype=np.float32)
         truncated_only = ended[~result.terminated[ended]]
         if len(truncated_only):
-            values = self.evaluator.root(result.final_obs[truncated_only]).value
-            self.evaluator.release()
-            bootstrap[truncated_only] = values.float().cpu().numpy()
+            try:
+                values = self.evaluator.root(result.final_obs[truncated_only]).value
+                self.evaluator.release()
+                bootstrap[truncated_only] = values.float().cpu().numpy()
+            except Exception as error:  # noqa: BLE001 - only a dead inference actor is handled; others re-raise
+                if not _actor_died(error):
+                    raise
+                # The envs have stepped, so the step stands; the truncated episodes' last segments cannot get
+                # their bootstrap value and are dropped (counted), and the collect ends after this step.
+                self._network_lost = _describe(error)
+                for i in truncated_only:
+                    self.discarded += int(self.length[rows[i]])
+                    self.length[rows[i]] = 0
+                ended = ended[result.terminated[ended]]
         for i in ended:
             env = int(rows[i])
             n = int(self.length[env])
@@ -201,38 +237,87 @@ class SelfPlayWorker:
     def collect(
         self, num_steps: int, temperature: float = 1.0, weights: tuple[int, dict] | None = None
     ) -> dict[str, Any]:
-        """num_steps batched steps; segments go to the sink; returns counts and finished-episode returns."""
+        """num_steps batched steps; segments go to the sink; returns counts and finished-episode returns.
+
+        Fewer steps when the inference actor died (`inference_lost`): the failed step left nothing behind, so
+        after `set_evaluator` the next collect goes on from the same env states."""
         if weights is not None and weights[0] != self.version:
             self.set_weights(*weights)
         start = time.perf_counter()
         returns: list[float] = []
         lengths: list[int] = []
-        pending = []
-        sent = 0
-        step_seconds = []
+        pending: list[tuple[int, Any]] = []  # (positions, what the sink returned) per segment sent
+        step_seconds: list[float] = []
+        inference_lost = ""
         for _ in range(num_steps):
             began = time.perf_counter()
-            segments = self.step(temperature)
+            try:
+                segments = self.step(temperature)
+            except Exception as error:  # noqa: BLE001 - only a dead inference actor is handled; others re-raise
+                if not _actor_died(error):
+                    raise
+                inference_lost = _describe(error)
+                break
             step_seconds.append(time.perf_counter() - began)
             for segment in segments:
-                sent += segment.num_sampleable
-                if self.sink is not None:
-                    pending.append(self.sink(segment))
+                pending.append((segment.num_sampleable, self.sink(segment) if self.sink is not None else None))
             returns.extend(self._last_episodes[0])
             lengths.extend(self._last_episodes[1])
-        if pending and hasattr(pending[0], "hex"):  # Ray ObjectRefs: wait, so replay applies backpressure
-            import ray
-
-            ray.get(pending)
-        return {
-            "env_steps": num_steps * self.num_envs,
-            "transitions_sent": sent,
+            if self._network_lost:  # the step stood, but the network went away during it
+                inference_lost, self._network_lost = self._network_lost, ""
+                break
+        delivered = _delivered([result for _, result in pending])
+        self.last_deliveries = [(n, ok) for (n, _), ok in zip(pending, delivered)]
+        result = {
+            "env_steps": len(step_seconds) * self.num_envs,
+            "transitions_sent": sum(n for n, ok in self.last_deliveries if ok),
+            "transitions_dropped": sum(n for n, ok in self.last_deliveries if not ok),
+            "transitions_held": self.held,
+            "transitions_discarded": self.discarded,  # since the worker started
             "episode_returns": returns,
             "episode_lengths": lengths,
             "version": self.version,
             "seconds": time.perf_counter() - start,
             "step_seconds": step_seconds,  # each batched step: the time every env waited for its next action
         }
+        if inference_lost:
+            result["inference_lost"] = inference_lost
+        return result
+
+
+def _actor_died(error: BaseException) -> bool:
+    """Whether `error` says a Ray actor this process called has died (here: the inference actor)."""
+    try:
+        import ray
+    except ImportError:
+        return False
+    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+
+
+def _delivered(results: list[Any]) -> list[bool]:
+    """Whether each segment reached replay. With Ray refs, waits for them (so replay applies backpressure); a
+    segment whose replay shard died before storing it counts as not delivered instead of failing the collect."""
+    if not results or not hasattr(results[0], "hex"):
+        return [True] * len(results)
+    import ray
+
+    try:
+        ray.get(results)
+        return [True] * len(results)
+    except ray.exceptions.RayActorError:
+        pass
+    delivered = []
+    for ref in results:
+        try:
+            ray.get(ref)
+            delivered.append(True)
+        except ray.exceptions.RayActorError:
+            delivered.append(False)
+    return delivered
 
 
 @dataclasses.dataclass

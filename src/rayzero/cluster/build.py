@@ -17,6 +17,7 @@ from rayzero.cluster.plan import Plan, plan
 from rayzero.config import ClusterConfig, Config, ConfigError
 from rayzero.envs import EnvSpec
 from rayzero.inference.server import InferenceServer
+from rayzero.learner import checkpoint as ckpt
 from rayzero.learner.group import LearnerGroup
 from rayzero.learner.learner import Learner
 from rayzero.replay.buffer import ReplayBuffer
@@ -90,6 +91,14 @@ class ReplayShards:
         """Whether every shard holds positions to sample."""
         return all(part["sampleable"] > 0 for part in ray.get([a.stats.remote() for a in self.actors]))
 
+    def arrivals(self, timeout: float | None = None) -> list[dict[str, int]]:
+        """Per shard: the positions each sender's segments added (`ReplayBuffer.arrivals`)."""
+        return ray.get([a.arrivals.remote() for a in self.actors], timeout=timeout)
+
+    def restarts(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Per shard: how often Ray restarted it and what its latest start restored (`_RemoteReplay.restart`)."""
+        return ray.get([a.restart.remote() for a in self.actors], timeout=timeout)
+
 
 def shard_config(config: Config, shards: int) -> Any:
     """Each shard's ReplayConfig: capacity and min_size divided among the shards (Config checks they fit)."""
@@ -110,16 +119,41 @@ class Handles:
     reanalyse: list[Any] = dataclasses.field(default_factory=list)
 
 
-def make_replay(config: Config, p: Plan) -> ReplayShards:
+def make_replay(config: Config, p: Plan, run_dir: str | None = None) -> ReplayShards:
     """The replay shards, on the driver's node: removing any other node loses no replay data, and their
-    snapshots land in the driver's run directory."""
+    snapshots land in the driver's run directory, where a shard that Ray restarts finds its latest one."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     shard_cfg = shard_config(config, p.replay.count)
+    names = ReplayShards([None] * p.replay.count).file_names()
     return ReplayShards([
-        ray.remote(ReplayBuffer).options(**p.replay.actor_options(), scheduling_strategy=here).remote(
-            shard_cfg, config.run.seed * 1000 + i)
+        ray.remote(_RemoteReplay).options(**p.replay.actor_options(), scheduling_strategy=here).remote(
+            shard_cfg, config.run.seed * 1000 + i, run_dir, names[i])
         for i in range(p.replay.count)
     ])
+
+
+class _RemoteReplay(ReplayBuffer):
+    """A replay shard that, when Ray restarts it after a crash, reloads its file of the run's latest complete
+    checkpoint: what it stored since that snapshot is lost, the rest is back (the driver counts the loss)."""
+
+    def __init__(self, cfg: Any, seed: int, run_dir: str | None, file_name: str):
+        super().__init__(cfg, seed)
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.restored_from: str | None = None
+        if self.restarted and run_dir is not None:
+            try:
+                checkpoint = ckpt.latest(run_dir)
+            except ckpt.CheckpointError:  # no checkpoint yet: the shard starts empty
+                return
+            self.restore(os.path.join(checkpoint, file_name))
+            self.restored_from = str(checkpoint)
+        self.restored_total_added = self.total_added
+
+    def restart(self) -> dict[str, Any]:
+        """Whether this process is a restart, the checkpoint it restored (None: none yet, it started empty) and
+        the positions that snapshot had stored (`total_added`)."""
+        return {"restarted": self.restarted, "restored_from": self.restored_from,
+                "restored_total_added": self.restored_total_added}
 
 
 def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:
@@ -134,11 +168,12 @@ def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:
     )
 
 
-def build(config: Config, spec: EnvSpec, p: Plan | None = None) -> Handles:
-    """Starts replay, learner, evaluation, the inference actor (central mode) and the self-play actors."""
+def build(config: Config, spec: EnvSpec, p: Plan | None = None, run_dir: str | None = None) -> Handles:
+    """Starts replay, learner, evaluation, the inference actor (central mode) and the self-play actors.
+    `run_dir`: where checkpoints go (a replay shard that Ray restarts restores its latest snapshot there)."""
     p = p or plan(config, ray.cluster_resources())
     c, seed = config.cluster, config.run.seed
-    replay = make_replay(config, p)
+    replay = make_replay(config, p, run_dir)
     learner = build_learner_group(config, spec, p)
     inference = make_inference(config, spec, p)
     # On a GPU, evaluation searches through the inference actor, as self-play does.
@@ -180,9 +215,14 @@ def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root:
 def make_selfplay(config: Config, p: Plan, replay: ReplayShards, inference: Any, index: int) -> Any:
     return ray.remote(_RemoteSelfPlay).options(**p.selfplay.actor_options()).remote(
         config.env, config.model, config.search, config.replay, config.run.seed * 1000 + index + 1,
-        config.cluster.torch_threads, replay.actors, inference, f"selfplay-{index}", index,
+        config.cluster.torch_threads, replay.actors, inference, selfplay_name(index), index,
         whole_search=p.whole_search,
     )
+
+
+def selfplay_name(index: int) -> str:
+    """Self-play actor `index`'s name: its latent slots' client id, and the source its segments carry."""
+    return f"selfplay-{index}"
 
 
 class _RemoteSelfPlay(SelfPlayWorker):
@@ -190,17 +230,38 @@ class _RemoteSelfPlay(SelfPlayWorker):
 
     def __init__(self, env_cfg, model_cfg, search_cfg, replay_cfg, seed, torch_threads, shards, inference, name,
                  index=0, whole_search=False):
-        network = None
-        if inference is not None:
-            # The pid makes a restarted actor a new client, so its predecessor's slots get reclaimed.
-            network = RemoteNetwork(inference, replay_cfg.discount, f"{name}-{os.getpid()}",
-                                    whole_search=whole_search)
+        self._name, self._discount, self._whole_search = name, replay_cfg.discount, whole_search
+        network = self._network(inference) if inference is not None else None
         self._shards, self._next_shard = list(shards), index
+        self._segment_shards: list[int] = []  # the shard of each segment sent in the current collect
 
         def sink(segment: Any) -> Any:  # round-robin over the replay shards
-            shard = self._shards[self._next_shard % len(self._shards)]
+            shard = self._next_shard % len(self._shards)
             self._next_shard += 1
-            return shard.add.remote(segment)
+            self._segment_shards.append(shard)
+            return self._shards[shard].add.remote(segment, name)
 
         super().__init__(env_cfg, model_cfg, search_cfg, replay_cfg, seed=seed, sink=sink,
                          evaluator=network, torch_threads=torch_threads)
+
+    def _network(self, inference: Any) -> RemoteNetwork:
+        # The pid makes a restarted actor a new client, so its predecessor's slots get reclaimed; the count of
+        # servers makes a client of a new inference actor a new client too.
+        self._servers = getattr(self, "_servers", 0) + 1
+        return RemoteNetwork(inference, self._discount, f"{self._name}-{os.getpid()}-{self._servers}",
+                             whole_search=self._whole_search)
+
+    def set_inference(self, inference: Any) -> None:
+        """Search through `inference` from now on: the driver made a new inference actor after this one died."""
+        self.set_evaluator(self._network(inference))
+
+    def collect(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`SelfPlayWorker.collect`, plus `sent_by_shard`: the positions that reached each replay shard."""
+        self._segment_shards = []
+        result = super().collect(*args, **kwargs)
+        sent_by_shard = [0] * len(self._shards)
+        for shard, (positions, delivered) in zip(self._segment_shards, self.last_deliveries):
+            if delivered:
+                sent_by_shard[shard] += positions
+        result["sent_by_shard"] = sent_by_shard
+        return result

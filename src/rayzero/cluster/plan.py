@@ -148,7 +148,8 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
     num_selfplay = max(selfplay_actors(config, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
     return Plan(
-        replay=Role(config.replay.shards or c.num_learners, c.replay_cpus, options={"max_restarts": 0}),
+        # A replay shard that crashes is restarted by Ray and reloads its last snapshot (build._RemoteReplay).
+        replay=Role(config.replay.shards or c.num_learners, c.replay_cpus, options={"max_restarts": -1}),
         learner=Role(c.num_learners, c.learner_cpus, learner_gpus, "cuda" if learner_gpus > 0 else "cpu"),
         selfplay=Role(num_selfplay, c.selfplay_cpus, envs=config.env.num_envs, options={"max_restarts": 0}),
         evaluation=Role(1, c.eval_cpus, envs=config.run.eval_episodes, options={"max_restarts": -1}),

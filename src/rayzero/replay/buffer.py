@@ -125,6 +125,7 @@ class ReplayBuffer:
         self.obs_shape: tuple[int, ...] | None = None  # of one (stacked) observation
         # Learning diagnostics of the batches sampled so far (running sums; see `stats`).
         self.diagnostics = dict.fromkeys(DIAGNOSTIC_SUMS, 0.0)
+        self.added_by_source: dict[str, int] = {}  # sampleable positions added per sender (`add(source=...)`)
 
     # -- storage -------------------------------------------------------------------------------------
 
@@ -226,8 +227,9 @@ class ReplayBuffer:
             a["generation"][first:end] += 1  # readers of any position of an evicted segment see it changed
             self.tree.set_range(s, end, 0.0)
 
-    def add(self, segment: Segment) -> int:
-        """Store one segment; returns the transitions now held."""
+    def add(self, segment: Segment, source: str | None = None) -> int:
+        """Store one segment; returns the transitions now held. `source`: who sent it (a self-play actor's
+        name), counted in `arrivals()` so the driver can tell what each sender's segments became."""
         self._check(segment)
         if self._arrays is None:
             self._allocate(segment)
@@ -276,6 +278,8 @@ class ReplayBuffer:
         self.num_sampleable += segment.num_sampleable
         self.total_added += segment.num_sampleable
         self.segments_added += 1
+        if source is not None:
+            self.added_by_source[source] = self.added_by_source.get(source, 0) + segment.num_sampleable
         return self.size
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -458,6 +462,11 @@ class ReplayBuffer:
             **{f"sampled_{name}": value for name, value in self.diagnostics.items()},
         }
 
+    def arrivals(self) -> dict[str, int]:
+        """Sampleable positions added per sender since the buffer was made (snapshots keep them: after a
+        restore they count what the restored data holds)."""
+        return dict(self.added_by_source)
+
     def __len__(self) -> int:
         return self.size
 
@@ -472,7 +481,7 @@ class ReplayBuffer:
             "cursor": self.cursor, "size": self.size, "num_sampleable": self.num_sampleable,
             "total_added": self.total_added, "segments_added": self.segments_added,
             "max_priority": self.max_priority, "capacity": self.capacity, "frame_stack": self.stack,
-            "obs_shape": self.obs_shape,
+            "obs_shape": self.obs_shape, "added_by_source": self.added_by_source,
         }
         arrays = {} if self._arrays is None else self._arrays
         with open(tmp, "wb") as f:
@@ -496,6 +505,7 @@ class ReplayBuffer:
             self._arrays = {k: data[k].copy() for k in names} if names else None
         for key in ("cursor", "size", "num_sampleable", "total_added", "segments_added", "max_priority"):
             setattr(self, key, meta[key])
+        self.added_by_source = dict(meta.get("added_by_source", {}))
         a = self._arrays
         if a is not None:
             self.obs_shape = tuple(meta["obs_shape"]) if meta.get("obs_shape") else tuple(a["obs"].shape[1:])
