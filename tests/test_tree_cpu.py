@@ -179,8 +179,8 @@ def test_embeddings_of_any_layout():
 
 def test_backend_switch_and_fallback(monkeypatch):
     calls = []
-    real = cpu.simulate
-    monkeypatch.setattr(cpu, "simulate", lambda *args: calls.append(1) or real(*args))
+    real = cpu.run_search
+    monkeypatch.setattr(cpu, "run_search", lambda *args: calls.append(1) or real(*args))
     root, fn = random_root(2, 3, 0), random_model(3)
     search(root, fn, 4, SearchConfig())
     assert calls == [1]  # auto: compiled when numba imports
