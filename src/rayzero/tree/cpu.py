@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -458,15 +457,17 @@ def _int_views(ibuf, B, N, A):
     return parents, action_from_parent, children
 
 
-def _scratch_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple[int, int]:
-    """Lengths of the int64 and float32 scratch buffers (`_path_views`, `_root_views`)."""
-    si = 2 * K * B * N + 4 * K * B
+def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple[int, int]:
+    """Lengths of the int64 and float32 working parts after the tree's fields (`_path_views` plus every
+    wave's actions, `_root_views`)."""
+    W = -(-n // K)
+    si = 2 * K * B * N + 4 * K * B + W * K * B
     sf = 2 * B * A + B * n + (B * N * A + K * B * A if gumbel else 2)
     return si, sf
 
 
 @_jit
-def _path_views(si, B, N, K):
+def _path_views(si, B, N, K, n):
     o = 0
     path_nodes = si[o : o + K * B * N].reshape((K, B, N))
     o += K * B * N
@@ -479,7 +480,10 @@ def _path_views(si, B, N, K):
     dup = si[o : o + K * B].reshape((K, B))
     o += K * B
     flat_parent = si[o : o + K * B]
-    return path_nodes, path_actions, depth, leaf, dup, flat_parent
+    o += K * B
+    W = -(-n // K)
+    act_all = si[o : o + W * K * B].reshape((W, K * B))  # every wave's actions (recurrent_fn's inputs)
+    return path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all
 
 
 @_jit
@@ -521,7 +525,7 @@ def _softmax_rows(logits, out):
 
 @_jit
 def _init_search(
-    fbuf, ibuf, sf, dims, prior, dirichlet, mix, root_value, root_noise, gumbel_scale, log_prior, table,
+    fbuf, ibuf, dims, prior, dirichlet, mix, root_value, root_noise, gumbel_scale, log_prior, table,
     invalid, emb_nodes, root_emb,
 ):  # fmt: skip
     """search._init_root on the flat buffers: the root priors (mixed with the Dirichlet sample when
@@ -530,7 +534,7 @@ def _init_search(
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid, D, m = dims[5] != 0, dims[6] != 0, dims[7], dims[9]
     edges, node_visits, value_sums, raw_values, _, _, value_min, value_max, _ = _float_views(fbuf, B, N, A, K)
-    root_gumbel, root_log_prior, considered, _, _ = _root_views(sf, B, N, A, K, n, gumbel)
+    root_gumbel, root_log_prior, considered, _, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
     for b in range(B):
         value_min[b] = _INF
         value_max[b] = _NEG_INF
@@ -557,8 +561,8 @@ def _init_search(
 
 
 @_jit
-def _wave(fbuf, ibuf, si, sf, dims, cf, invalid, emb_nodes, emb_in, act_all, w, p_prior, p_value,
-          p_reward, p_discount, p_emb):  # fmt: skip
+def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount,
+          p_emb):  # fmt: skip
     """One call per simulation wave: expand and back up wave w - 1 from its recurrent_fn outputs (given
     as addresses of float32 CPU tensors; p_emb = 0: the embeddings were written by the caller), then walk
     wave w and gather its leaves' parent embeddings into emb_in (dims[7] > 0)."""
@@ -568,8 +572,10 @@ def _wave(fbuf, ibuf, si, sf, dims, cf, invalid, emb_nodes, emb_in, act_all, w, 
         fbuf, B, N, A, K
     )
     parents, action_from_parent, children = _int_views(ibuf, B, N, A)
-    path_nodes, path_actions, depth, leaf, dup, flat_parent = _path_views(si, B, N, K)
-    root_gumbel, root_log_prior, considered, log_priors, prior_tmp = _root_views(sf, B, N, A, K, n, gumbel)
+    path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all = _path_views(ibuf[dims[11] :], B, N, K, n)
+    root_gumbel, root_log_prior, considered, log_priors, prior_tmp = _root_views(
+        fbuf[dims[10] :], B, N, A, K, n, gumbel
+    )
     if w > 0:
         pw = w - 1
         first = 1 + pw * K
@@ -616,13 +622,13 @@ def _wave(fbuf, ibuf, si, sf, dims, cf, invalid, emb_nodes, emb_in, act_all, w, 
 
 
 @_jit
-def _outputs(fbuf, ibuf, sf, dims, cf, invalid, temperature, log_visits, action_noise, out_f, out_i):
+def _outputs(fbuf, dims, cf, invalid, temperature, log_visits, action_noise, out_f, out_i):
     """search._outputs: played action, policy target, visit counts, root value and Q of every root.
     MuZero's temperature sampling takes torch's log of the visits (log_visits) and the Gumbel draws."""
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid = dims[5] != 0, dims[6] != 0
     edges, node_visits, value_sums, raw_values, _, _, _, _, _ = _float_views(fbuf, B, N, A, K)
-    root_gumbel, root_log_prior, _, _, _ = _root_views(sf, B, N, A, K, n, gumbel)
+    root_gumbel, root_log_prior, _, _, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
     weights = out_f[: B * A].reshape((B, A))
     qvalues = out_f[B * A : 2 * B * A].reshape((B, A))
     root_value = out_f[2 * B * A : 2 * B * A + B]
@@ -814,25 +820,6 @@ def _same_shapes(out: Any, next_embedding: Any, rows: int, A: int, embedding_sha
     )
 
 
-class _Scratch(threading.local):
-    """Per-thread scratch buffers (walk paths, Gumbel root inputs) reused by searches of the same shape;
-    per thread because self-play threads search at once (the kernels release the GIL)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-
-    def get(self, key: tuple) -> tuple[np.ndarray, np.ndarray]:
-        bufs = self.buffers.get(key)
-        if bufs is None:
-            if len(self.buffers) >= 8:
-                self.buffers.pop(next(iter(self.buffers)))
-            si, sf = _scratch_sizes(*key)
-            bufs = (np.empty(si, np.int64), np.empty(sf, np.float32))
-            self.buffers[key] = bufs
-        return bufs
-
-
-_SCRATCH = _Scratch()
 _CONSTANTS: dict[tuple, np.ndarray] = {}
 
 
@@ -911,10 +898,14 @@ def run_search(
         table = considered_visits_table(config.max_num_considered_actions, n, cpu_dev).numpy()
     inv = invalid.contiguous().numpy() if invalid is not None else _DUMMY_B2
 
-    # The tree: two flat buffers, its tensors views of them (fresh per search: the output keeps it).
+    # The tree and the search's working arrays: two flat buffers, fresh per search (the output keeps the
+    # tree, and searches in other threads have their own), the tree's tensors views of their heads.
     flayout, ilayout = float_layout(B, N, A, K), int_layout(B, N, A)
-    fbuf = np.zeros(sum(math.prod(s) for _, s in flayout), np.float32)
-    ibuf = np.full(sum(math.prod(s) for _, s in ilayout), UNVISITED, np.int64)
+    tree_f, tree_i = sum(math.prod(s) for _, s in flayout), sum(math.prod(s) for _, s in ilayout)
+    work_i, work_f = _work_sizes(B, N, A, K, n, gumbel)
+    fbuf = np.zeros(tree_f + work_f, np.float32)
+    ibuf = np.empty(tree_i + work_i, np.int64)
+    ibuf[:tree_i] = UNVISITED
     fields: dict[str, torch.Tensor] = {}
     for buf, layout in ((fbuf, flayout), (ibuf, ilayout)):
         o = 0
@@ -945,28 +936,27 @@ def run_search(
         emb_nodes, root_emb = _DUMMY_F3, _DUMMY_F2
         emb_in, per_search, emb_views = _DUMMY_F3, True, ()
     tree = Tree(embeddings=tree_embeddings, **fields)
-    dims = np.array([B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions],
-                    np.int64)  # fmt: skip
-    si, sf = _SCRATCH.get((B, N, A, K, n, gumbel))
+    dims = np.array(
+        [B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i],
+        np.int64,
+    )
     cf = _constants(n, K, config)
     _init_search(
-        fbuf, ibuf, sf, dims, prior.numpy(), dirichlet, mix, _np(value), root_noise, gumbel_scale,
+        fbuf, ibuf, dims, prior.numpy(), dirichlet, mix, _np(value), root_noise, gumbel_scale,
         log_prior, table, inv, emb_nodes, root_emb,
     )  # fmt: skip
 
-    act_all = np.empty((W, K * B), np.int64)  # fresh per search: recurrent_fn may keep its inputs
-    act_views = torch.from_numpy(act_all).unbind(0)
-    flat_parent = torch.from_numpy(si[2 * K * B * N + 3 * K * B :])
+    # Each wave's actions: a row of the search's own buffer (recurrent_fn may keep its inputs).
+    o = tree_i + 2 * K * B * N + 3 * K * B
+    flat_parent = torch.from_numpy(ibuf[o : o + K * B])
+    act_views = torch.from_numpy(ibuf[o + K * B : o + K * B + W * K * B].reshape(W, K * B)).unbind(0)
     p_prior = p_value = p_reward = p_discount = p_emb = 0
     checked_rows = -1
     for w in range(W + 1):
         if not per_search and w < W:
             emb_in = np.empty((1, K * B, D), root_emb.dtype)
             emb_views = (torch.from_numpy(emb_in.reshape(1, K * B, *rest))[0],)
-        _wave(
-            fbuf, ibuf, si, sf, dims, cf, inv, emb_nodes, emb_in, act_all, w, p_prior, p_value, p_reward,
-            p_discount, p_emb,
-        )  # fmt: skip
+        _wave(fbuf, ibuf, dims, cf, inv, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
         if w == W:
             break
         kw = min(K, n - w * K)
@@ -1013,7 +1003,7 @@ def run_search(
         temperature = _F32(config.temperature)
     out_f = np.empty(2 * B * A + B, np.float32)
     out_i = np.empty(B * A + B, np.int64)
-    _outputs(fbuf, ibuf, sf, dims, cf, inv, temperature, log_visits, action_noise, out_f, out_i)
+    _outputs(fbuf, dims, cf, inv, temperature, log_visits, action_noise, out_f, out_i)
     return SearchOutput(
         action=torch.from_numpy(out_i[B * A :]),
         action_weights=torch.from_numpy(out_f[: B * A].reshape(B, A)),
