@@ -199,10 +199,7 @@ def bench_ours(
 
 CPU_BATCHES = (1, 32, 64, 256, 1024)
 # The compiled tree's entry points that run_search calls from Python (timed as "compiled calls").
-COMPILED_CALLS = (
-    "_init_search", "_wave", "_outputs", "_clamp_tiny", "_negate", "_gamma_proposals", "_gamma_accept",
-    "_add_log_u_over_alpha",
-)  # fmt: skip
+COMPILED_CALLS = ("_init_search", "_wave", "_outputs", "_clamp_tiny", "_negate", "_gamma_proposals", "_gamma_accept")
 CPU_MODES = ("numba", "torch")
 CPU_NETS = ("none", "table")
 

@@ -696,9 +696,9 @@ def _negate(x):
 
 
 @_jit
-def _gamma_proposals(x, u, c, v, v_pos):
+def _gamma_proposals(x, u, u_small, c, v, v_pos):
     """Marsaglia-Tsang proposals v = (1 + c x)^3 (torch's pow(3) is b * b * b) and where(v > 0, v, 1);
-    u is clamped to (0, 1) in place (noise._uniform_open)."""
+    u and u_small are clamped to (0, 1) in place (noise._uniform_open)."""
     xf, uf, vf, pf = x.reshape(x.size), u.reshape(u.size), v.reshape(v.size), v_pos.reshape(v_pos.size)
     for i in range(xf.size):
         uf[i] = max(uf[i], _TINY)
@@ -706,11 +706,15 @@ def _gamma_proposals(x, u, c, v, v_pos):
         t = t * t * t
         vf[i] = t
         pf[i] = t if t > _ZERO else _ONE
+    sf = u_small.reshape(u_small.size)
+    for i in range(sf.size):
+        sf[i] = max(sf[i], _TINY)
 
 
 @_jit
-def _gamma_accept(x, v, log_u, log_v, d, log_d, out):
-    """noise.sample_log_gamma's acceptance: the first accepted proposal's log(d) + log(v), else log(d)."""
+def _gamma_accept(x, v, log_u, log_v, d, log_d, log_u_small, alpha, out):
+    """noise.sample_log_gamma's acceptance: the first accepted proposal's log(d) + log(v), else log(d);
+    then + log(u_small) / alpha when alpha < 1 (log_u_small has out's size then)."""
     P = x.shape[0]
     size = out.size
     xf, vf = x.reshape((P, size)), v.reshape((P, size))
@@ -727,13 +731,14 @@ def _gamma_accept(x, v, log_u, log_v, d, log_d, out):
                 res = log_d + lvf[p, i]
                 break
         of[i] = res
+    if log_u_small.size == size:
+        lsf = log_u_small.reshape(size)
+        for i in range(size):
+            of[i] = of[i] + lsf[i] / alpha
 
 
-@_jit
-def _add_log_u_over_alpha(out, log_u, alpha):
-    of, lf = out.reshape(out.size), log_u.reshape(log_u.size)
-    for i in range(of.size):
-        of[i] = of[i] + lf[i] / alpha
+_EMPTY_T = torch.empty(0)
+_EMPTY_NP = np.empty(0, np.float32)
 
 
 def sample_gumbel(shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
@@ -758,18 +763,16 @@ def sample_log_gamma(alpha: float, shape: tuple[int, int], generator: torch.Gene
     c = 1.0 / math.sqrt(9.0 * d)
     x = torch.randn((GAMMA_PROPOSALS, *shape), generator=generator)
     u = torch.rand((GAMMA_PROPOSALS, *shape), generator=generator)
+    u_small = torch.rand(shape, generator=generator) if alpha < 1.0 else _EMPTY_T
     xs = x.numpy()
     v = np.empty(xs.shape, np.float32)
-    v_pos = np.empty(xs.shape, np.float32)
-    _gamma_proposals(xs, u.numpy(), _F32(c), v, v_pos)
+    v_pos = torch.empty(xs.shape)
+    _gamma_proposals(xs, u.numpy(), u_small.numpy(), _F32(c), v, v_pos.numpy())
     log_u = torch.log(u)
-    log_v = torch.log(torch.from_numpy(v_pos))
+    log_v = torch.log(v_pos)
+    log_u_small = torch.log(u_small).numpy() if alpha < 1.0 else _EMPTY_NP
     out = np.empty(shape, np.float32)
-    _gamma_accept(xs, v, log_u.numpy(), log_v.numpy(), _F32(d), _F32(math.log(d)), out)
-    if alpha < 1.0:
-        u2 = torch.rand(shape, generator=generator)
-        _clamp_tiny(u2.numpy())
-        _add_log_u_over_alpha(out, torch.log(u2).numpy(), _F32(alpha))
+    _gamma_accept(xs, v, log_u.numpy(), log_v.numpy(), _F32(d), _F32(math.log(d)), log_u_small, _F32(alpha), out)
     return torch.from_numpy(out)
 
 
@@ -801,8 +804,9 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same_shapes(out: Any, next_embedding: Any, rows: int, A: int, embedding_shape: tuple | None) -> bool:
-    """Cheap re-check of a recurrent_fn output after the first wave's full check (the compiled code does
-    no bounds checks, so every wave's arrays must have the right sizes)."""
+    """Whether a recurrent_fn output has exactly the expected types and shapes (a one-tensor embedding
+    only), checked on every wave because the compiled code does no bounds checks; when False the caller
+    runs search._check_recurrent, which raises for a bad output and accepts other layouts."""
     if type(out) is not RecurrentOutput:
         return False
     r = (rows,)
@@ -911,10 +915,9 @@ def run_search(
         o = 0
         for name, shape in layout:
             size = math.prod(shape)
-            fields[name] = torch.from_numpy(buf[o : o + size].reshape(shape))
+            if K > 1 or name != "virtual_visits":
+                fields[name] = torch.from_numpy(buf[o : o + size].reshape(shape))
             o += size
-    if K == 1:
-        del fields["virtual_visits"]
     fast = isinstance(embedding, torch.Tensor) and embedding.dtype in _FAST_EMBEDDINGS
     if fast:
         rest = tuple(embedding.shape[1:])
@@ -951,7 +954,6 @@ def run_search(
     flat_parent = torch.from_numpy(ibuf[o : o + K * B])
     act_views = torch.from_numpy(ibuf[o + K * B : o + K * B + W * K * B].reshape(W, K * B)).unbind(0)
     p_prior = p_value = p_reward = p_discount = p_emb = 0
-    checked_rows = -1
     for w in range(W + 1):
         if not per_search and w < W:
             emb_in = np.empty((1, K * B, D), root_emb.dtype)
@@ -970,9 +972,8 @@ def run_search(
             fp = flat_parent[:rows]
             parent_embedding = tree_map(lambda t, fp=fp: t.flatten(0, 1).index_select(0, fp), tree_embeddings)
         out, next_embedding = recurrent_fn(action, parent_embedding)
-        if rows != checked_rows or not _same_shapes(out, next_embedding, rows, A, rest):
+        if not _same_shapes(out, next_embedding, rows, A, rest):  # the full check (and its errors)
             check_recurrent(out, next_embedding, rows, A, tree_embeddings)
-            checked_rows = rows
         first = 1 + w * K
         if (
             fast
@@ -999,7 +1000,9 @@ def run_search(
             g = sample_gumbel((B, A), generator)
         check_noise("noise.action", g, B, A, cpu_dev)
         action_noise = _np(g)
-        log_visits = torch.log(tree.edges[:, 0, VISITS]).numpy()  # the torch path's log, on the same view
+        # The torch path's log, on a view of the same layout (tree.edges[:, ROOT, VISITS]).
+        edges_np = fbuf[: B * N * _C * A].reshape(B, N, _C, A)
+        log_visits = torch.log(torch.from_numpy(edges_np[:, 0, VISITS])).numpy()
         temperature = _F32(config.temperature)
     out_f = np.empty(2 * B * A + B, np.float32)
     out_i = np.empty(B * A + B, np.int64)
