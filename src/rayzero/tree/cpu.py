@@ -803,25 +803,37 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-def _same_shapes(out: Any, next_embedding: Any, rows: int, A: int, embedding_shape: tuple | None) -> bool:
-    """Whether a recurrent_fn output has exactly the expected types and shapes (a one-tensor embedding
-    only), checked on every wave because the compiled code does no bounds checks; when False the caller
-    runs search._check_recurrent, which raises for a bad output and accepts other layouts."""
-    if type(out) is not RecurrentOutput:
-        return False
+def _addresses(
+    out: Any, nxt: Any, rows: int, A: int, rest: tuple | None, emb_dtype: Any, gumbel: bool
+) -> tuple | None:
+    """((prior, value, reward, discount, embedding) addresses, tensors to keep alive) for `_wave` when a
+    recurrent_fn output is exactly the common case: a RecurrentOutput of contiguous float32 CPU tensors of
+    the expected shapes and a one-tensor embedding of the tree's dtype; else None. Checked on every wave:
+    the compiled code reads these by address and does no bounds checks."""
+    if type(out) is not RecurrentOutput or type(nxt) is not torch.Tensor or rest is None:
+        return None
+    reward, discount, logits, value = out
     r = (rows,)
-    for t in out:
-        if type(t) is not torch.Tensor:
-            return False
-    if out.reward.shape != r or out.discount.shape != r or out.value.shape != r:
-        return False
-    if out.prior_logits.shape != (rows, A):
-        return False
-    return (
-        embedding_shape is not None
-        and type(next_embedding) is torch.Tensor
-        and (next_embedding.shape == (rows, *embedding_shape))
-    )
+    for t in (reward, discount, value, logits):
+        if type(t) is not torch.Tensor or t.dtype is not _F32T or not t.is_cpu or not t.is_contiguous():
+            return None
+    if reward.shape != r or discount.shape != r or value.shape != r or logits.shape != (rows, A):
+        return None
+    if nxt.dtype is not emb_dtype or not nxt.is_cpu or not nxt.is_contiguous() or nxt.shape != (rows, *rest):
+        return None
+    prior = logits if gumbel else torch.softmax(logits, dim=-1)  # MuZero: the torch path's softmax
+    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), nxt.data_ptr())
+    return ptrs, prior, value, reward, discount, nxt
+
+
+def _converted(out: RecurrentOutput, gumbel: bool) -> tuple:
+    """`_addresses` for a checked output of other dtypes or layouts: float32 contiguous copies (the torch
+    path's .float()), the embedding written by the caller (address 0)."""
+    logits = _f32(out.prior_logits)
+    prior = logits if gumbel else torch.softmax(logits, dim=-1)
+    value, reward, discount = _f32(out.value), _f32(out.reward), _f32(out.discount)
+    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), 0)
+    return ptrs, prior, value, reward, discount
 
 
 _CONSTANTS: dict[tuple, np.ndarray] = {}
@@ -954,6 +966,7 @@ def run_search(
     flat_parent = torch.from_numpy(ibuf[o : o + K * B])
     act_views = torch.from_numpy(ibuf[o + K * B : o + K * B + W * K * B].reshape(W, K * B)).unbind(0)
     p_prior = p_value = p_reward = p_discount = p_emb = 0
+    emb_dtype = embedding.dtype if fast else None
     for w in range(W + 1):
         if not per_search and w < W:
             emb_in = np.empty((1, K * B, D), root_emb.dtype)
@@ -972,26 +985,13 @@ def run_search(
             fp = flat_parent[:rows]
             parent_embedding = tree_map(lambda t, fp=fp: t.flatten(0, 1).index_select(0, fp), tree_embeddings)
         out, next_embedding = recurrent_fn(action, parent_embedding)
-        if not _same_shapes(out, next_embedding, rows, A, rest):  # the full check (and its errors)
+        # `held` keeps every tensor whose address _wave reads alive until that call.
+        held = _addresses(out, next_embedding, rows, A, rest, emb_dtype, gumbel)
+        if held is None:  # another layout or dtype, or a bad output: the full check, converted copies
             check_recurrent(out, next_embedding, rows, A, tree_embeddings)
-        first = 1 + w * K
-        if (
-            fast
-            and type(next_embedding) is torch.Tensor
-            and next_embedding.dtype is embedding.dtype
-            and next_embedding.is_cpu
-            and next_embedding.is_contiguous()
-        ):
-            p_emb = next_embedding.data_ptr()
-        else:
-            p_emb = 0
-            _write_embeddings(tree_embeddings, first, kw, next_embedding)
-        logits_w = out.prior_logits
-        prior_w = _f32(logits_w) if gumbel else torch.softmax(logits_w.float(), dim=-1)
-        value_w, reward_w, discount_w = _f32(out.value), _f32(out.reward), _f32(out.discount)
-        # prior_w .. discount_w and next_embedding stay bound (alive) until after the next _wave reads them.
-        p_prior, p_value = prior_w.data_ptr(), value_w.data_ptr()
-        p_reward, p_discount = reward_w.data_ptr(), discount_w.data_ptr()
+            held = _converted(out, gumbel)
+            _write_embeddings(tree_embeddings, 1 + w * K, kw, next_embedding)
+        p_prior, p_value, p_reward, p_discount, p_emb = held[0]
 
     log_visits, action_noise, temperature = _DUMMY_F2, _DUMMY_F2, _ZERO
     if not gumbel and config.temperature != 0:
