@@ -1,17 +1,18 @@
-"""Compiled CPU tree: the selection walk, the expansion writes and the backup of `search()` for CPU tensors,
-as numba-compiled loops over the B trees of a wave (one compiled call each per wave; search.py keeps the root
-initialisation, the outputs and the loop that calls `recurrent_fn`). The code reads and writes the torch
-`Tree`'s own tensors through numpy views, in float32 and in the torch path's order, so MuZero trees are
-bit-identical to the torch path and Gumbel ones equal within float tolerance.
+"""Compiled CPU tree: a whole `search()` on CPU tensors (`run_search`): root initialisation, the selection
+walk, the expansion writes, the backup and the outputs as numba-compiled loops over the B trees, with one
+compiled call and one `recurrent_fn` call per wave. Python keeps only what must stay torch: the random
+draws, the logs and softmaxes whose bits the torch path defines (so MuZero trees are bit-identical to it;
+Gumbel ones equal within float tolerance), the `recurrent_fn` call and the tensors handed out. The tree
+lives in two flat buffers per search (its tensors are views of them) so a wave call takes few arguments, and
+recurrent outputs are read by address, not through a numpy view per tensor.
 
 Why numba: pip wheels for every platform and no compiler at install time (a C++ extension needs one, or a
 wheel per platform), native loops over numpy arrays, an on-disk cache so only a machine's first process
 compiles, and `nogil=True`, so self-play threads walk trees while another thread waits for the network.
 Single-threaded on purpose: the actors already use every core. `search.cpu_backend=torch` (or
-RAYZERO_TREE_NUMBA=0) selects the torch path. How a wave runs and the equality argument in full:
-docs/architecture.md; timings: docs/benchmarks.md.
+RAYZERO_TREE_NUMBA=0) selects the torch path. How a search runs and the equality argument in full:
+docs/architecture.md; timings: docs/results/tree_one_root.md.
 """
-
 from __future__ import annotations
 
 import math
