@@ -313,3 +313,24 @@ def test_recurrent_outputs_of_other_dtypes_and_layouts():
 
     with pytest.raises(ValueError, match="on meta"):
         search(random_root(2, A, 0), off_cpu, 4, SearchConfig(cpu_backend="numba"))
+
+
+def test_roots_that_require_grad():
+    """Root logits, values and embeddings straight from a network outside no_grad: the compiled tree
+    searches their values (the torch path needs them detached: it writes them into leaf tensors)."""
+    B, A = 4, 6
+    root = random_root(B, A, 8)
+    root = root._replace(embedding=root.embedding.float())
+    grad_root = RootOutput(*(t.clone().requires_grad_() for t in root))
+    base = random_model(A)
+
+    def fn(action, emb):
+        out, h = base(action, emb.detach().long())
+        return out, h.float()
+
+    for policy in ("muzero", "gumbel"):
+        cfg = {"policy": policy}
+        a = search(root, fn, 12, SearchConfig(cpu_backend="torch", **cfg), generator=torch.Generator().manual_seed(1))
+        b = search(grad_root, fn, 12, SearchConfig(cpu_backend="numba", **cfg),
+                   generator=torch.Generator().manual_seed(1))  # fmt: skip
+        assert_same_search(a, b, exact_floats=policy == "muzero")

@@ -898,13 +898,13 @@ def run_search(
         lg = log_gamma.float()
         if invalid is not None:
             lg = lg.masked_fill(invalid, float("-inf"))
-        dirichlet = torch.softmax(lg, dim=-1).numpy()
+        dirichlet = _np(torch.softmax(lg, dim=-1))
         f = config.dirichlet_fraction
         mix = np.array([1.0, 1.0 - f, f], np.float32)
     if gumbel:
         from rayzero.tree.seq_halving import considered_visits_table
 
-        log_prior = torch.log_softmax(masked, dim=-1).numpy()
+        log_prior = _np(torch.log_softmax(masked, dim=-1))
         if config.gumbel_scale > 0:
             g = noise.root if noise is not None and noise.root is not None else None
             if g is None:
@@ -958,7 +958,7 @@ def run_search(
     )
     cf = _constants(n, K, config)
     _init_search(
-        fbuf, ibuf, dims, prior.numpy(), dirichlet, mix, _np(value), root_noise, gumbel_scale,
+        fbuf, ibuf, dims, _np(prior), dirichlet, mix, _np(value), root_noise, gumbel_scale,
         log_prior, table, inv, emb_nodes, root_emb,
     )  # fmt: skip
 
