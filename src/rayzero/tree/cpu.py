@@ -15,6 +15,7 @@ docs/architecture.md; timings: docs/results/tree_one_root.md.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -840,6 +841,36 @@ def _converted(out: RecurrentOutput, gumbel: bool) -> tuple:
 _CONSTANTS: dict[tuple, np.ndarray] = {}
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple:
+    """(tree field views (name, buffer 0 = float / 1 = int, start, stop, shape), tree float and int sizes,
+    working float and int sizes) of a search shape."""
+    views = []
+    sizes = []
+    for i, layout in enumerate((float_layout(B, N, A, K), int_layout(B, N, A))):
+        o = 0
+        for name, shape in layout:
+            size = math.prod(shape)
+            if K > 1 or name != "virtual_visits":
+                views.append((name, i, o, o + size, shape))
+            o += size
+        sizes.append(o)
+    work_i, work_f = _work_sizes(B, N, A, K, n, gumbel)
+    return tuple(views), sizes[0], sizes[1], work_f, work_i
+
+
+@functools.lru_cache(maxsize=64)
+def _dims_cached(*values: int) -> np.ndarray:
+    dims = np.array(values, np.int64)
+    dims.flags.writeable = False
+    return dims
+
+
+def _dims(*values: Any) -> np.ndarray:
+    """The int64 shape and flag vector the kernels read (cached, read-only)."""
+    return _dims_cached(*(int(v) for v in values))
+
+
 def _constants(n: int, K: int, config: Any) -> np.ndarray:
     """float32 [maxvisit_init, value_scale, PUCT coefficient table...] of a search setting (cached)."""
     key = (n, K, config.pb_c_init, config.pb_c_base, config.maxvisit_init, config.value_scale)
@@ -917,20 +948,12 @@ def run_search(
 
     # The tree and the search's working arrays: two flat buffers, fresh per search (the output keeps the
     # tree, and searches in other threads have their own), the tree's tensors views of their heads.
-    flayout, ilayout = float_layout(B, N, A, K), int_layout(B, N, A)
-    tree_f, tree_i = sum(math.prod(s) for _, s in flayout), sum(math.prod(s) for _, s in ilayout)
-    work_i, work_f = _work_sizes(B, N, A, K, n, gumbel)
+    views, tree_f, tree_i, work_f, work_i = _layout(B, N, A, K, n, gumbel)
     fbuf = np.zeros(tree_f + work_f, np.float32)
     ibuf = np.empty(tree_i + work_i, np.int64)
     ibuf[:tree_i] = UNVISITED
-    fields: dict[str, torch.Tensor] = {}
-    for buf, layout in ((fbuf, flayout), (ibuf, ilayout)):
-        o = 0
-        for name, shape in layout:
-            size = math.prod(shape)
-            if K > 1 or name != "virtual_visits":
-                fields[name] = torch.from_numpy(buf[o : o + size].reshape(shape))
-            o += size
+    bufs = (fbuf, ibuf)
+    fields = {name: torch.from_numpy(bufs[i][a:b].reshape(shape)) for name, i, a, b, shape in views}
     fast = isinstance(embedding, torch.Tensor) and embedding.dtype in _FAST_EMBEDDINGS
     if fast:
         rest = tuple(embedding.shape[1:])
@@ -952,10 +975,7 @@ def run_search(
         emb_nodes, root_emb = _DUMMY_F3, _DUMMY_F2
         emb_in, per_search, emb_views = _DUMMY_F3, True, ()
     tree = Tree(embeddings=tree_embeddings, **fields)
-    dims = np.array(
-        [B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i],
-        np.int64,
-    )
+    dims = _dims(B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i)
     cf = _constants(n, K, config)
     _init_search(
         fbuf, ibuf, dims, _np(prior), dirichlet, mix, _np(value), root_noise, gumbel_scale,
