@@ -464,7 +464,7 @@ def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple[i
     wave's actions, `_root_views`)."""
     W = -(-n // K)
     si = 2 * K * B * N + 4 * K * B + W * K * B
-    sf = 2 * B * A + B * n + (B * N * A + K * B * A if gumbel else 2)
+    sf = 2 * B * A + B * n + (B * N * A if gumbel else 1)
     return si, sf
 
 
@@ -499,30 +499,9 @@ def _root_views(sf, B, N, A, K, n, gumbel):
     o += B * n
     if gumbel:
         log_priors = sf[o : o + B * N * A].reshape((B, N, A))
-        o += B * N * A
-        prior_tmp = sf[o : o + K * B * A].reshape((K * B, A))
     else:
         log_priors = sf[o : o + 1].reshape((1, 1, 1))
-        prior_tmp = sf[o + 1 : o + 2].reshape((1, 1))
-    return root_gumbel, root_log_prior, considered, log_priors, prior_tmp
-
-
-@_jit
-def _softmax_rows(logits, out):
-    """Row softmax (Gumbel's interior priors; the search compares Gumbel trees within fp tolerance)."""
-    rows, A = logits.shape
-    for i in range(rows):
-        top = _NEG_INF
-        for a in range(A):
-            top = max(top, logits[i, a])
-        total = _ZERO
-        for a in range(A):
-            e = np.exp(logits[i, a] - top)
-            out[i, a] = e
-            total += e
-        inv = _ONE / total
-        for a in range(A):
-            out[i, a] = out[i, a] * inv
+    return root_gumbel, root_log_prior, considered, log_priors
 
 
 @_jit
@@ -536,7 +515,7 @@ def _init_search(
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid, D, m = dims[5] != 0, dims[6] != 0, dims[7], dims[9]
     edges, node_visits, value_sums, raw_values, _, _, value_min, value_max, _ = _float_views(fbuf, B, N, A, K)
-    root_gumbel, root_log_prior, considered, _, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    root_gumbel, root_log_prior, considered, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
     for b in range(B):
         value_min[b] = _INF
         value_max[b] = _NEG_INF
@@ -575,9 +554,7 @@ def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value,
     )
     parents, action_from_parent, children = _int_views(ibuf, B, N, A)
     path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all = _path_views(ibuf[dims[11] :], B, N, K, n)
-    root_gumbel, root_log_prior, considered, log_priors, prior_tmp = _root_views(
-        fbuf[dims[10] :], B, N, A, K, n, gumbel
-    )
+    root_gumbel, root_log_prior, considered, log_priors = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
     if w > 0:
         pw = w - 1
         first = 1 + pw * K
@@ -586,12 +563,7 @@ def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value,
         value = carray(_pointer_like(p_value, fbuf), (rows,))
         reward = carray(_pointer_like(p_reward, fbuf), (rows,))
         discount = carray(_pointer_like(p_discount, fbuf), (rows,))
-        logits = carray(_pointer_like(p_prior, fbuf), (rows, A))
-        if gumbel:
-            prior = prior_tmp[:rows]
-            _softmax_rows(logits, prior)
-        else:
-            prior = logits  # the caller's torch.softmax, so MuZero priors are the torch path's bits
+        prior = carray(_pointer_like(p_prior, fbuf), (rows, A))  # torch's softmax: the torch path's bits
         if p_emb != 0:
             nxt = carray(_pointer_like(p_emb, emb_nodes), (rows, D))
             for k in range(kw):
@@ -630,7 +602,7 @@ def _outputs(fbuf, dims, cf, invalid, temperature, log_visits, action_noise, out
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid = dims[5] != 0, dims[6] != 0
     edges, node_visits, value_sums, raw_values, _, _, _, _, _ = _float_views(fbuf, B, N, A, K)
-    root_gumbel, root_log_prior, _, _, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    root_gumbel, root_log_prior, _, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
     weights = out_f[: B * A].reshape((B, A))
     qvalues = out_f[B * A : 2 * B * A].reshape((B, A))
     root_value = out_f[2 * B * A : 2 * B * A + B]
@@ -805,9 +777,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-def _addresses(
-    out: Any, nxt: Any, rows: int, A: int, rest: tuple | None, emb_dtype: Any, gumbel: bool
-) -> tuple | None:
+def _addresses(out: Any, nxt: Any, rows: int, A: int, rest: tuple | None, emb_dtype: Any) -> tuple | None:
     """((prior, value, reward, discount, embedding) addresses, tensors to keep alive) for `_wave` when a
     recurrent_fn output is exactly the common case: a RecurrentOutput of contiguous float32 CPU tensors of
     the expected shapes and a one-tensor embedding of the tree's dtype; else None. Checked on every wave:
@@ -823,16 +793,16 @@ def _addresses(
         return None
     if nxt.dtype is not emb_dtype or not nxt.is_cpu or not nxt.is_contiguous() or nxt.shape != (rows, *rest):
         return None
-    prior = logits if gumbel else torch.softmax(logits, dim=-1)  # MuZero: the torch path's softmax
+    prior = torch.softmax(logits, dim=-1)  # the torch path's softmax (vectorised; MuZero needs its bits)
     ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), nxt.data_ptr())
     return ptrs, prior, value, reward, discount, nxt
 
 
-def _converted(out: RecurrentOutput, gumbel: bool) -> tuple:
+def _converted(out: RecurrentOutput) -> tuple:
     """`_addresses` for a checked output of other dtypes or layouts: float32 contiguous copies (the torch
     path's .float()), the embedding written by the caller (address 0)."""
     logits = _f32(out.prior_logits)
-    prior = logits if gumbel else torch.softmax(logits, dim=-1)
+    prior = torch.softmax(logits, dim=-1)
     value, reward, discount = _f32(out.value), _f32(out.reward), _f32(out.discount)
     ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), 0)
     return ptrs, prior, value, reward, discount
@@ -1007,10 +977,10 @@ def run_search(
             parent_embedding = tree_map(lambda t, fp=fp: t.flatten(0, 1).index_select(0, fp), tree_embeddings)
         out, next_embedding = recurrent_fn(action, parent_embedding)
         # `held` keeps every tensor whose address _wave reads alive until that call.
-        held = _addresses(out, next_embedding, rows, A, rest, emb_dtype, gumbel)
+        held = _addresses(out, next_embedding, rows, A, rest, emb_dtype)
         if held is None:  # another layout or dtype, or a bad output: the full check, converted copies
             check_recurrent(out, next_embedding, rows, A, tree_embeddings)
-            held = _converted(out, gumbel)
+            held = _converted(out)
             _write_embeddings(tree_embeddings, 1 + w * K, kw, next_embedding)
         p_prior, p_value, p_reward, p_discount, p_emb = held[0]
 
