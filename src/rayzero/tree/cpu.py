@@ -778,29 +778,36 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _addresses(out: Any, nxt: Any, rows: int, A: int, rest: tuple | None, emb_dtype: Any) -> tuple | None:
-    """((prior, value, reward, discount, embedding) addresses, tensors to keep alive) for `_wave` when a
-    recurrent_fn output is exactly the common case: a RecurrentOutput of contiguous float32 CPU tensors of
-    the expected shapes and a one-tensor embedding of the tree's dtype; else None. Checked on every wave:
-    the compiled code reads these by address and does no bounds checks."""
+    """((prior, value, reward, discount, embedding) addresses, tensors to keep alive) for `_wave`, or None
+    when the recurrent_fn output is not a RecurrentOutput of tensors of the expected shapes with a one-tensor
+    embedding (then the caller runs the full check). Checked on every wave: the compiled code reads these
+    by address and does no bounds checks. Outputs of other dtypes or layouts are copied to contiguous
+    float32 (the torch path's .float()); an embedding that is not a contiguous CPU tensor of the tree's dtype
+    gets address 0 and the caller writes it with torch."""
     if type(out) is not RecurrentOutput or type(nxt) is not torch.Tensor or rest is None:
         return None
     reward, discount, logits, value = out
     r = (rows,)
-    for t in (reward, discount, value, logits):
-        if type(t) is not torch.Tensor or t.dtype is not _F32T or not t.is_cpu or not t.is_contiguous():
+    for t in out:
+        if type(t) is not torch.Tensor:
             return None
     if reward.shape != r or discount.shape != r or value.shape != r or logits.shape != (rows, A):
         return None
-    if nxt.dtype is not emb_dtype or not nxt.is_cpu or not nxt.is_contiguous() or nxt.shape != (rows, *rest):
+    if nxt.shape != (rows, *rest):
         return None
+    for t in out:
+        if t.dtype is not _F32T or not t.is_cpu or not t.is_contiguous():
+            reward, discount, logits, value = _f32(reward), _f32(discount), _f32(logits), _f32(value)
+            break
     prior = torch.softmax(logits, dim=-1)  # the torch path's softmax (vectorised; MuZero needs its bits)
-    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), nxt.data_ptr())
+    p_emb = nxt.data_ptr() if nxt.dtype is emb_dtype and nxt.is_cpu and nxt.is_contiguous() else 0
+    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), p_emb)
     return ptrs, prior, value, reward, discount, nxt
 
 
 def _converted(out: RecurrentOutput) -> tuple:
-    """`_addresses` for a checked output of other dtypes or layouts: float32 contiguous copies (the torch
-    path's .float()), the embedding written by the caller (address 0)."""
+    """`_addresses` for an output that passed the full check but not `_addresses`' shape test (a pytree
+    embedding): float32 contiguous copies, the embedding written by the caller (address 0)."""
     logits = _f32(out.prior_logits)
     prior = torch.softmax(logits, dim=-1)
     value, reward, discount = _f32(out.value), _f32(out.reward), _f32(out.discount)
@@ -978,11 +985,12 @@ def run_search(
         out, next_embedding = recurrent_fn(action, parent_embedding)
         # `held` keeps every tensor whose address _wave reads alive until that call.
         held = _addresses(out, next_embedding, rows, A, rest, emb_dtype)
-        if held is None:  # another layout or dtype, or a bad output: the full check, converted copies
+        if held is None:  # a pytree embedding, or a bad output: the full check (it raises for the latter)
             check_recurrent(out, next_embedding, rows, A, tree_embeddings)
             held = _converted(out)
-            _write_embeddings(tree_embeddings, 1 + w * K, kw, next_embedding)
         p_prior, p_value, p_reward, p_discount, p_emb = held[0]
+        if p_emb == 0:
+            _write_embeddings(tree_embeddings, 1 + w * K, kw, next_embedding)
 
     log_visits, action_noise, temperature = _DUMMY_F2, _DUMMY_F2, _ZERO
     if not gumbel and config.temperature != 0:
