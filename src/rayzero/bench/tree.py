@@ -11,8 +11,8 @@ friendly.
 
 CPU rows (every run, CUDA or not): the compiled CPU tree (mode "numba", tree/cpu.py) against the torch CPU path
 (mode "torch") on one core (torch.set_num_threads(1); numba is single-threaded), 50 simulations, B in
-{1, 32, 64, 256, 1024}, both policies, two network-free recurrent_fns: "none" (above; ~12 small torch ops a
-call) and "table" (a random finite MDP: the embedding is a [B] int64 state id and each call is a few numpy
+{1, 32, 64, 256, 1024}, both policies, two network-free recurrent_fns: "none" (above: small elementwise torch
+ops) and "table" (a random finite MDP: the embedding is a [B] int64 state id and each call is a few numpy
 table lookups on the tensors' memory, no torch op), so the tree's cost is not hidden behind torch's per-op
 overhead of a fake network. Median of several searches after a warm-up (numba's compile or cache load is
 timed separately as compile_s). Each row also reports the time spent inside recurrent_fn, and "tree-only"
