@@ -36,8 +36,8 @@ def cpu_backend(request, monkeypatch):
         pytest.skip("numba does not import")
     monkeypatch.setenv("RAYZERO_TREE_NUMBA", "1" if request.param == "numba" else "0")
     calls = []
-    real = cpu.simulate
-    monkeypatch.setattr(cpu, "simulate", lambda *args: calls.append(1) or real(*args))
+    real = cpu.run_search
+    monkeypatch.setattr(cpu, "run_search", lambda *args: calls.append(1) or real(*args))
     yield request.param
     assert bool(calls) == (request.param == "numba")
 

@@ -179,8 +179,8 @@ def test_embeddings_of_any_layout():
 
 def test_backend_switch_and_fallback(monkeypatch):
     calls = []
-    real = cpu.simulate
-    monkeypatch.setattr(cpu, "simulate", lambda *args: calls.append(1) or real(*args))
+    real = cpu.run_search
+    monkeypatch.setattr(cpu, "run_search", lambda *args: calls.append(1) or real(*args))
     root, fn = random_root(2, 3, 0), random_model(3)
     search(root, fn, 4, SearchConfig())
     assert calls == [1]  # auto: compiled when numba imports
@@ -216,3 +216,121 @@ def test_bad_recurrent_output_on_a_later_wave():
 
     with pytest.raises(ValueError, match="prior_logits of shape"):
         search(random_root(2, A, 0), flaky, 6, SearchConfig(cpu_backend="numba"))
+
+
+@pytest.mark.parametrize("alpha", [0.3, 1.0, 2.5])
+def test_compiled_noise_is_torch_noise(alpha):
+    """cpu.sample_log_gamma / cpu.sample_gumbel: noise.py's draws and bits from the same generator (many
+    rejected Marsaglia-Tsang proposals at this size), and the generator left in the same state."""
+    from rayzero.tree import noise
+
+    for shape in ((1, 18), (64, 64)):
+        g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        expected = noise.sample_log_gamma(alpha, shape, generator=g1)
+        assert torch.equal(cpu.sample_log_gamma(alpha, shape, g2), expected)
+        assert torch.equal(cpu.sample_gumbel(shape, g2), noise.sample_gumbel(shape, generator=g1))
+        assert torch.equal(torch.rand(4, generator=g2), torch.rand(4, generator=g1))
+
+
+@pytest.mark.parametrize("policy", ["muzero", "gumbel"])
+def test_searches_draw_the_same_numbers(policy):
+    """Both backends consume the generator alike (root noise, then action noise): same state after."""
+    B, A = 5, 7
+    after = []
+    for backend in ("torch", "numba"):
+        g = torch.Generator().manual_seed(11)
+        search(random_root(B, A, 2), random_model(A), 10, SearchConfig(policy=policy, cpu_backend=backend),
+               generator=g)  # fmt: skip
+        after.append(torch.rand(6, generator=g))
+    assert torch.equal(after[0], after[1])
+
+
+@pytest.mark.parametrize("policy", ["muzero", "gumbel"])
+def test_outputs_survive_later_searches_and_threads(policy):
+    """Scratch buffers are reused by searches of one shape (per thread): earlier outputs and trees stay as
+    they were, and searches in two threads at once equal the same searches one after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    B, A, n = 6, 5, 24
+    fn, cfg = random_model(A), SearchConfig(policy=policy, cpu_backend="numba")
+    roots = [random_root(B, A, s) for s in range(4)]
+
+    def run(i):
+        return search(roots[i % 4], fn, n, cfg, random_invalid(B, A, i % 4), torch.Generator().manual_seed(i % 4))
+
+    first = [run(i) for i in range(4)]
+    kept = [(o.visit_counts.clone(), o.action_weights.clone(), o.tree.edges.clone()) for o in first]
+    with ThreadPoolExecutor(2) as pool:
+        later = list(pool.map(run, range(40)))
+    for i, out in enumerate(later):
+        assert_same_search(first[i % 4], out)
+    for o, (visits, weights, edges) in zip(first, kept):
+        assert torch.equal(o.visit_counts, visits)
+        assert torch.equal(o.action_weights, weights)
+        assert torch.equal(o.tree.edges, edges)
+
+
+def test_recurrent_inputs_stay_as_given_and_large_embeddings():
+    """recurrent_fn may keep its inputs: each wave's action and embedding tensors are its own. The
+    embedding here is large enough for the one-wave-at-a-time buffers (int64 [B, 4096])."""
+    B, A, n, D = 4, 5, 40, 4096
+    base = random_model(A)
+    kept = []
+
+    def fn(action, emb):
+        kept.append((action, action.clone(), emb, emb.clone()))
+        out, h = base(action, emb[:, :1])
+        return out, torch.cat([h, emb[:, 1:] + 1], 1)
+
+    root = random_root(B, A, 4)
+    root = root._replace(embedding=torch.cat([root.embedding, torch.zeros(B, D - 1, dtype=torch.int64)], 1))
+    a, b = both(root, fn, n, virtual_loss=3)
+    assert_same_search(a, b)
+    assert len(kept) == 2 * 14
+    for action, action0, emb, emb0 in kept:
+        assert torch.equal(action, action0) and torch.equal(emb, emb0)
+
+
+def test_recurrent_outputs_of_other_dtypes_and_layouts():
+    """float64, bfloat16 and strided recurrent outputs are converted like the torch path converts them;
+    a tensor off the CPU is refused (the compiled code reads CPU memory by address)."""
+    A = 6
+    base = random_model(A)
+
+    def odd(action, emb):
+        out, nxt = base(action, emb)
+        wide = torch.cat([out.prior_logits, out.prior_logits], 1)[:, ::2]  # strided, same values
+        pair = torch.stack([out.value, out.reward], 1)
+        return RecurrentOutput(pair[:, 1].double(), out.discount.bfloat16(), wide, pair[:, 0]), nxt
+
+    for policy in ("muzero", "gumbel"):
+        a, b = both(random_root(7, A, 6), odd, 30, policy=policy)
+        assert_same_search(a, b, exact_floats=policy == "muzero")
+
+    def off_cpu(action, emb):
+        out, nxt = base(action, emb)
+        return out._replace(value=torch.empty(out.value.shape, device="meta")), nxt
+
+    with pytest.raises(ValueError, match="on meta"):
+        search(random_root(2, A, 0), off_cpu, 4, SearchConfig(cpu_backend="numba"))
+
+
+def test_roots_that_require_grad():
+    """Root logits, values and embeddings straight from a network outside no_grad: the compiled tree
+    searches their values (the torch path needs them detached: it writes them into leaf tensors)."""
+    B, A = 4, 6
+    root = random_root(B, A, 8)
+    root = root._replace(embedding=root.embedding.float())
+    grad_root = RootOutput(*(t.clone().requires_grad_() for t in root))
+    base = random_model(A)
+
+    def fn(action, emb):
+        out, h = base(action, emb.detach().long())
+        return out, h.float()
+
+    for policy in ("muzero", "gumbel"):
+        cfg = {"policy": policy}
+        a = search(root, fn, 12, SearchConfig(cpu_backend="torch", **cfg), generator=torch.Generator().manual_seed(1))
+        b = search(grad_root, fn, 12, SearchConfig(cpu_backend="numba", **cfg),
+                   generator=torch.Generator().manual_seed(1))  # fmt: skip
+        assert_same_search(a, b, exact_floats=policy == "muzero")

@@ -10,13 +10,15 @@ for muzero/none to bound the run); mctx on the rows that matter for comparison (
 friendly.
 
 CPU rows (every run, CUDA or not): the compiled CPU tree (mode "numba", tree/cpu.py) against the torch CPU path
-(mode "torch") on one core (torch.set_num_threads(1); numba is single-threaded), net "none", 50 simulations,
-B in {1, 32, 64, 256, 1024}, both policies; median of several searches after a warm-up (numba's compile or
-cache load is timed separately as compile_s). Each row also reports the time spent inside recurrent_fn, and
-"tree-only" simulations/s without it (what LightZero's tree-only figure measures). --quick: B in {1, 16},
-10 simulations.
+(mode "torch") on one core (torch.set_num_threads(1); numba is single-threaded), 50 simulations, B in
+{1, 32, 64, 256, 1024}, both policies, two network-free recurrent_fns: "none" (above: small elementwise torch
+ops) and "table" (a random finite MDP: the embedding is a [B] int64 state id and each call is a few numpy
+table lookups on the tensors' memory, no torch op), so the tree's cost is not hidden behind torch's per-op
+overhead of a fake network. Median of several searches after a warm-up (numba's compile or cache load is
+timed separately as compile_s). Each row also reports the time spent inside recurrent_fn, and "tree-only"
+simulations/s without it (what LightZero's tree-only figure measures). --quick: B in {1, 16}, 10 simulations.
 
-Run: `python -m rayzero.bench.tree [--quick] [--json PATH]` (or `rayzero bench tree`).
+Run: `python -m rayzero.bench.tree [--quick] [--cpu-only] [--json PATH]` (or `rayzero bench tree`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # keep JAX from taking the GPU's memory
 
+import numpy as np
 import torch
 
 from rayzero.bench.common import write_json
@@ -38,6 +41,7 @@ from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, search, tree
 A = 18
 EMB_NONE = 4
 HIDDEN = 256
+TABLE_STATES = 4096
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -77,8 +81,38 @@ def torch_model(net: str, device: torch.device, weights: dict[str, torch.Tensor]
     return mlp_fn
 
 
+def table_model(seed: int = 0) -> Callable:
+    """recurrent_fn "table": a random finite MDP of TABLE_STATES states, the embedding a [B'] int64 state id;
+    a call is a next-state lookup and one lookup per output in numpy arrays (CPU tensors only)."""
+    rng = np.random.default_rng(seed)
+    S = TABLE_STATES
+    next_state = rng.integers(S, size=(S, A))
+    reward = (rng.random(S, dtype=np.float32) * 0.2 - 0.1).astype(np.float32)
+    discount = np.where(rng.random(S) < 0.02, 0.0, 0.99).astype(np.float32)  # a few terminal states
+    value = (rng.random(S, dtype=np.float32) * 2.0 - 1.0).astype(np.float32)
+    logits = rng.standard_normal((S, A), dtype=np.float32)
+
+    def table_fn(action: torch.Tensor, emb: torch.Tensor):
+        s = next_state[emb.numpy(), action.numpy()]
+        out = RecurrentOutput(
+            torch.from_numpy(reward[s]),
+            torch.from_numpy(discount[s]),
+            torch.from_numpy(logits[s]),
+            torch.from_numpy(value[s]),
+        )
+        return out, torch.from_numpy(s)
+
+    return table_fn
+
+
 def torch_root(net: str, B: int, device: torch.device, seed: int = 0) -> RootOutput:
     g = torch.Generator().manual_seed(seed)
+    if net == "table":
+        return RootOutput(
+            torch.randn(B, A, generator=g).to(device),
+            torch.randn(B, generator=g).to(device),
+            torch.randint(TABLE_STATES, (B,), generator=g).to(device),
+        )
     d = EMB_NONE if net == "none" else HIDDEN
     return RootOutput(
         torch.randn(B, A, generator=g).to(device),
@@ -164,16 +198,21 @@ def bench_ours(
 
 
 CPU_BATCHES = (1, 32, 64, 256, 1024)
+# The compiled tree's entry points that run_search calls from Python (timed as "compiled calls").
+COMPILED_CALLS = ("_init_search", "_wave", "_outputs", "_clamp_tiny", "_negate", "_gamma_proposals", "_gamma_accept")
 CPU_MODES = ("numba", "torch")
+CPU_NETS = ("none", "table")
 
 
-def bench_cpu(policy: str, B: int, n: int, mode: str, reps: int, budget_s: float) -> dict[str, Any]:
+def bench_cpu(
+    policy: str, B: int, n: int, mode: str, reps: int, budget_s: float, net_name: str = "none"
+) -> dict[str, Any]:
     """One CPU row: whole searches of the compiled tree ("numba") or the torch path ("torch"), one core."""
     from rayzero.tree import cpu
 
     device = torch.device("cpu")
     config = SearchConfig(policy=policy, num_simulations=n, cpu_backend=mode)
-    net = torch_model("none", device, {})
+    net = table_model() if net_name == "table" else torch_model("none", device, {})
     in_fn = [0.0]
 
     def fn(action: torch.Tensor, emb: torch.Tensor):
@@ -192,7 +231,7 @@ def bench_cpu(policy: str, B: int, n: int, mode: str, reps: int, budget_s: float
 
         return timed
 
-    root = torch_root("none", B, device)
+    root = torch_root(net_name, B, device)
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     if mode == "numba":
@@ -200,7 +239,8 @@ def bench_cpu(policy: str, B: int, n: int, mode: str, reps: int, budget_s: float
     out = search(root, fn, n, config, generator=gen)
     compile_s = time.perf_counter() - t0
     times, fn_times, compiled_times = [], [], []
-    kernels = (cpu._select_wave, cpu._expand_backup_wave)
+    kernel_names = [name for name in COMPILED_CALLS if hasattr(cpu, name)]
+    kernels = [getattr(cpu, name) for name in kernel_names]
     for _ in range(reps):
         in_fn[0] = in_compiled[0] = 0.0
         t0 = time.perf_counter()
@@ -210,18 +250,20 @@ def bench_cpu(policy: str, B: int, n: int, mode: str, reps: int, budget_s: float
         if sum(times) > budget_s and len(times) >= 3:
             break
     if mode == "numba":  # a few more searches with the compiled calls timed (not in the figures above)
-        cpu._select_wave, cpu._expand_backup_wave = (compiled_timer(k) for k in kernels)
+        for name, kernel in zip(kernel_names, kernels):
+            setattr(cpu, name, compiled_timer(kernel))
         try:
             for _ in range(3):
                 in_compiled[0] = 0.0
                 search(root, fn, n, config, generator=gen)
                 compiled_times.append(in_compiled[0])
         finally:
-            cpu._select_wave, cpu._expand_backup_wave = kernels
+            for name, kernel in zip(kernel_names, kernels):
+                setattr(cpu, name, kernel)
     order = sorted(range(len(times)), key=times.__getitem__)
     mid = order[len(order) // 2]
     sec, fn_sec = times[mid], fn_times[mid]
-    row = _row("rayzero", "none", policy, B, n, f"cpu-{mode}", sec)
+    row = _row("rayzero", net_name, policy, B, n, f"cpu-{mode}", sec)
     row.update(
         ms_min=round(min(times) * 1000.0, 4),
         searches_timed=len(times),
@@ -237,7 +279,7 @@ def bench_cpu(policy: str, B: int, n: int, mode: str, reps: int, budget_s: float
     return row
 
 
-def cpu_rows(quick: bool) -> tuple[list[dict[str, Any]], list[str]]:
+def cpu_rows(quick: bool, nets: tuple[str, ...] = CPU_NETS) -> tuple[list[dict[str, Any]], list[str]]:
     """The CPU rows (numba and torch, one core); restores torch's thread count afterwards."""
     from rayzero.tree import cpu
 
@@ -248,17 +290,20 @@ def cpu_rows(quick: bool) -> tuple[list[dict[str, Any]], list[str]]:
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     try:
-        for policy in ("muzero", "gumbel"):
-            for B in batches:
-                for mode in CPU_MODES:
-                    if mode == "numba" and not cpu.numba_importable():
-                        errors.append("numba not importable: no cpu-numba rows")
-                        continue
-                    try:
-                        rows.append(bench_cpu(policy, B, n, mode, reps, budget))
-                        _print_row(rows[-1])
-                    except Exception as err:  # noqa: BLE001 - keep going: report what failed
-                        errors.append(f"rayzero cpu-{mode} {policy} B={B} n={n}: {type(err).__name__}: {err}")
+        for net in nets:
+            for policy in ("muzero", "gumbel"):
+                for B in batches:
+                    for mode in CPU_MODES:
+                        if mode == "numba" and not cpu.numba_importable():
+                            errors.append("numba not importable: no cpu-numba rows")
+                            continue
+                        try:
+                            rows.append(bench_cpu(policy, B, n, mode, reps, budget, net))
+                            _print_row(rows[-1])
+                        except Exception as err:  # noqa: BLE001 - keep going: report what failed
+                            errors.append(
+                                f"rayzero cpu-{mode} {net} {policy} B={B} n={n}: {type(err).__name__}: {err}"
+                            )
     finally:
         torch.set_num_threads(threads)
     return rows, errors
@@ -275,11 +320,13 @@ def cpu_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             (
                 t
                 for t in rows
-                if t["mode"] == "cpu-torch" and t["policy"] == r["policy"] and t["batch"] == r["batch"]
+                if t["mode"] == "cpu-torch"
+                and all(t[k] == r[k] for k in ("net", "policy", "batch", "num_simulations"))
             ),
             None,
         )
         entry = {
+            "net": r["net"],
             "policy": r["policy"],
             "batch": r["batch"],
             "num_simulations": r["num_simulations"],
@@ -288,6 +335,7 @@ def cpu_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "speedup": round(peer["ms_per_search"] / r["ms_per_search"], 2) if peer else None,
             "numba_simulations_per_s": r["simulations_per_s"],
             "numba_tree_only_simulations_per_s": r["tree_only_simulations_per_s"],
+            "numba_tree_only_ms": r["tree_only_ms"],
             "numba_compiled_calls_ms": r.get("compiled_calls_ms"),
         }
         B = r["batch"]
@@ -470,13 +518,15 @@ def _plan(quick: bool, cuda: bool) -> tuple[list[tuple], list[tuple]]:
     return ours, theirs
 
 
-def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
-    """Run the benchmark, print a table, write JSON to json_path (if given); returns the report."""
+def main(quick: bool = False, json_path: str | None = None, cpu_only: bool = False) -> dict[str, Any]:
+    """Run the benchmark, print a table, write JSON to json_path (if given); returns the report.
+    cpu_only: only the CPU rows (compiled tree against the torch path, one core)."""
+    load_before = os.getloadavg()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     weights = _weights()
     reps, budget = (3, 2.0) if quick else (10, 4.0)
-    ours_plan, mctx_plan = _plan(quick, cuda)
+    ours_plan, mctx_plan = _plan(quick, cuda) if not cpu_only else ([], [])
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     for net, p, B, n, m in ours_plan:
@@ -488,7 +538,9 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
     cpu, cpu_errors = cpu_rows(quick)
     rows.extend(cpu)
     errors.extend(cpu_errors)
-    if _mctx_modules() is not None:
+    if cpu_only:
+        pass
+    elif _mctx_modules() is not None:
         for net, p, B, n in mctx_plan:
             try:
                 rows.append(bench_mctx(net, p, B, n, weights, reps, budget))
@@ -502,7 +554,8 @@ def main(quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
     _print_table(rows, ratios, errors)
     _print_cpu_summary(summary)
     return write_json(json_path, "tree", {
-        "quick": quick, "device": str(device), "torch_threads": torch.get_num_threads(),
+        "quick": quick, "cpu_only": cpu_only, "device": str(device), "torch_threads": torch.get_num_threads(),
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "rows": rows, "ratios": ratios, "cpu_summary": summary, "errors": errors,
     })
@@ -564,7 +617,7 @@ def _print_cpu_summary(summary: list[dict[str, Any]]) -> None:
                 bar += f" (tree only: {'met' if e['bar_met_tree_only'] else 'NOT met'}"
                 bar += f"; compiled calls {e['numba_compiled_calls_ms']:.3f} ms)"
         print(
-            f"  {e['policy']:7} B={e['batch']:5d} numba {e['numba_ms']:9.3f} torch {torch_ms} {speed} "
+            f"  {e['net']:5} {e['policy']:7} B={e['batch']:5d} numba {e['numba_ms']:9.3f} torch {torch_ms} {speed} "
             f"{e['numba_simulations_per_s']:11.0f} sims/s{bar}"
         )
 
@@ -589,5 +642,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--cpu-only", action="store_true", help="only the CPU rows (compiled tree vs torch path)")
     args = parser.parse_args()
-    main(quick=args.quick, json_path=args.json)
+    main(quick=args.quick, json_path=args.json, cpu_only=args.cpu_only)

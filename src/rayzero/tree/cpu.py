@@ -1,19 +1,22 @@
-"""Compiled CPU tree: the selection walk, the expansion writes and the backup of `search()` for CPU tensors,
-as numba-compiled loops over the B trees of a wave (one compiled call each per wave; search.py keeps the root
-initialisation, the outputs and the loop that calls `recurrent_fn`). The code reads and writes the torch
-`Tree`'s own tensors through numpy views, in float32 and in the torch path's order, so MuZero trees are
-bit-identical to the torch path and Gumbel ones equal within float tolerance.
+"""Compiled CPU tree: a whole `search()` on CPU tensors (`run_search`): root initialisation, the selection
+walk, the expansion writes, the backup and the outputs as numba-compiled loops over the B trees, with one
+compiled call and one `recurrent_fn` call per wave. Python keeps only what must stay torch: the random
+draws, the logs and softmaxes whose bits the torch path defines (so MuZero trees are bit-identical to it;
+Gumbel ones equal within float tolerance), the `recurrent_fn` call and the tensors handed out. The tree
+lives in two flat buffers per search (its tensors are views of them) so a wave call takes few arguments, and
+recurrent outputs are read by address, not through a numpy view per tensor.
 
 Why numba: pip wheels for every platform and no compiler at install time (a C++ extension needs one, or a
 wheel per platform), native loops over numpy arrays, an on-disk cache so only a machine's first process
 compiles, and `nogil=True`, so self-play threads walk trees while another thread waits for the network.
 Single-threaded on purpose: the actors already use every core. `search.cpu_backend=torch` (or
-RAYZERO_TREE_NUMBA=0) selects the torch path. How a wave runs and the equality argument in full:
-docs/architecture.md; timings: docs/benchmarks.md.
+RAYZERO_TREE_NUMBA=0) selects the torch path. How a search runs and the equality argument in full:
+docs/architecture.md; timings: docs/results/tree_one_root.md.
 """
-
 from __future__ import annotations
 
+import functools
+import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rayzero.tree.base import RecurrentOutput
+from rayzero.tree.base import RecurrentOutput, SearchOutput
 from rayzero.tree.tree import (
     DISCOUNT,
     NO_PARENT,
@@ -30,13 +33,13 @@ from rayzero.tree.tree import (
     UNVISITED,
     VALUE,
     VISITS,
+    Tree,
     tree_map,
     tree_map2,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
     from rayzero.tree.base import RecurrentFn
-    from rayzero.tree.tree import Tree
 
 try:
     from numba import njit
@@ -373,7 +376,381 @@ def _expand_backup_wave(
                 value_max[b] = hi
 
 
-# ------------------------------------------------------------------------------------------- the loop
+# --------------------------------------------------------------------------- whole-search kernels
+
+if _NUMBA:
+    from numba import carray, types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _pointer_like(typingctx, address, like):  # noqa: ARG001 - numba's intrinsic signature
+        """(int address, array) -> a pointer of the array's dtype at `address` (to view a torch tensor's
+        memory with numba.carray without a .numpy() call per tensor)."""
+        ptr_type = types.CPointer(like.dtype)
+
+        def codegen(context, builder, signature, args):  # noqa: ARG001
+            return builder.inttoptr(args[0], context.get_value_type(ptr_type))
+
+        return ptr_type(address, like), codegen
+
+else:  # pragma: no cover - only the torch path runs without numba
+
+    def _pointer_like(address: Any, like: Any) -> Any:
+        raise RuntimeError("numba is not available")
+
+    def carray(*args: Any) -> Any:
+        raise RuntimeError("numba is not available")
+
+
+_C = 5  # tree.EDGE_CHANNELS
+
+
+def float_layout(B: int, N: int, A: int, K: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The Tree's float32 fields in the order they sit in one search's float buffer (`_float_views`)."""
+    return [
+        ("edges", (B, N, _C, A)),
+        ("node_visits", (B, N)),
+        ("value_sums", (B, N)),
+        ("raw_values", (B, N)),
+        ("rewards", (B, N)),
+        ("discounts", (B, N)),
+        ("value_min", (B,)),
+        ("value_max", (B,)),
+        ("virtual_visits", (B, N, A) if K > 1 else (1, 1, 1)),
+    ]
+
+
+def int_layout(B: int, N: int, A: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The Tree's int64 fields in the order they sit in one search's int buffer (`_int_views`)."""
+    return [("parents", (B, N)), ("action_from_parent", (B, N)), ("children_index", (B, N, A))]
+
+
+@_jit
+def _float_views(fbuf, B, N, A, K):
+    o = 0
+    edges = fbuf[o : o + B * N * _C * A].reshape((B, N, _C, A))
+    o += B * N * _C * A
+    node_visits = fbuf[o : o + B * N].reshape((B, N))
+    o += B * N
+    value_sums = fbuf[o : o + B * N].reshape((B, N))
+    o += B * N
+    raw_values = fbuf[o : o + B * N].reshape((B, N))
+    o += B * N
+    rewards = fbuf[o : o + B * N].reshape((B, N))
+    o += B * N
+    discounts = fbuf[o : o + B * N].reshape((B, N))
+    o += B * N
+    value_min = fbuf[o : o + B]
+    o += B
+    value_max = fbuf[o : o + B]
+    o += B
+    if K > 1:
+        vv = fbuf[o : o + B * N * A].reshape((B, N, A))
+    else:
+        vv = fbuf[o : o + 1].reshape((1, 1, 1))
+    return edges, node_visits, value_sums, raw_values, rewards, discounts, value_min, value_max, vv
+
+
+@_jit
+def _int_views(ibuf, B, N, A):
+    parents = ibuf[0 : B * N].reshape((B, N))
+    action_from_parent = ibuf[B * N : 2 * B * N].reshape((B, N))
+    children = ibuf[2 * B * N : 2 * B * N + B * N * A].reshape((B, N, A))
+    return parents, action_from_parent, children
+
+
+def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple[int, int]:
+    """Lengths of the int64 and float32 working parts after the tree's fields (`_path_views` plus every
+    wave's actions, `_root_views`)."""
+    W = -(-n // K)
+    si = 2 * K * B * N + 4 * K * B + W * K * B
+    sf = 2 * B * A + B * n + (B * N * A if gumbel else 1)
+    return si, sf
+
+
+@_jit
+def _path_views(si, B, N, K, n):
+    o = 0
+    path_nodes = si[o : o + K * B * N].reshape((K, B, N))
+    o += K * B * N
+    path_actions = si[o : o + K * B * N].reshape((K, B, N))
+    o += K * B * N
+    depth = si[o : o + K * B].reshape((K, B))
+    o += K * B
+    leaf = si[o : o + K * B].reshape((K, B))
+    o += K * B
+    dup = si[o : o + K * B].reshape((K, B))
+    o += K * B
+    flat_parent = si[o : o + K * B]
+    o += K * B
+    W = -(-n // K)
+    act_all = si[o : o + W * K * B].reshape((W, K * B))  # every wave's actions (recurrent_fn's inputs)
+    return path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all
+
+
+@_jit
+def _root_views(sf, B, N, A, K, n, gumbel):
+    o = 0
+    root_gumbel = sf[o : o + B * A].reshape((B, A))
+    o += B * A
+    root_log_prior = sf[o : o + B * A].reshape((B, A))
+    o += B * A
+    considered = sf[o : o + B * n].reshape((B, n))
+    o += B * n
+    if gumbel:
+        log_priors = sf[o : o + B * N * A].reshape((B, N, A))
+    else:
+        log_priors = sf[o : o + 1].reshape((1, 1, 1))
+    return root_gumbel, root_log_prior, considered, log_priors
+
+
+@_jit
+def _init_search(
+    fbuf, ibuf, dims, prior, dirichlet, mix, root_value, root_noise, gumbel_scale, log_prior, table,
+    invalid, emb_nodes, root_emb,
+):  # fmt: skip
+    """search._init_root on the flat buffers: the root priors (mixed with the Dirichlet sample when
+    mix[0] is set: mix[1] * prior + mix[2] * dirichlet, the torch path's float32 operations), one visit,
+    the root value and embedding, the min/max bounds and the Gumbel root inputs."""
+    B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
+    gumbel, has_invalid, D, m = dims[5] != 0, dims[6] != 0, dims[7], dims[9]
+    edges, node_visits, value_sums, raw_values, _, _, value_min, value_max, _ = _float_views(fbuf, B, N, A, K)
+    root_gumbel, root_log_prior, considered, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    for b in range(B):
+        value_min[b] = _INF
+        value_max[b] = _NEG_INF
+        for a in range(A):
+            p = prior[b, a]
+            if mix[0] != _ZERO:
+                p = mix[1] * p + mix[2] * dirichlet[b, a]
+            edges[b, 0, PRIOR, a] = p
+        node_visits[b, 0] = _ONE
+        value_sums[b, 0] = root_value[b]
+        raw_values[b, 0] = root_value[b]
+        if gumbel:
+            valid = A
+            for a in range(A):
+                root_log_prior[b, a] = log_prior[b, a]
+                root_gumbel[b, a] = gumbel_scale * root_noise[b, a] if gumbel_scale > _ZERO else _ZERO
+                if has_invalid and invalid[b, a]:
+                    valid -= 1
+            row = min(valid, m)
+            for j in range(n):
+                considered[b, j] = table[row, j]
+        for j in range(D):
+            emb_nodes[b, 0, j] = root_emb[b, j]
+
+
+@_jit
+def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount,
+          p_emb):  # fmt: skip
+    """One call per simulation wave: expand and back up wave w - 1 from its recurrent_fn outputs (given
+    as addresses of float32 CPU tensors; p_emb = 0: the embeddings were written by the caller), then walk
+    wave w and gather its leaves' parent embeddings into emb_in (dims[7] > 0)."""
+    B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
+    gumbel, has_invalid, D, W = dims[5] != 0, dims[6] != 0, dims[7], dims[8]
+    edges, node_visits, value_sums, raw_values, rewards, discounts, value_min, value_max, vv = _float_views(
+        fbuf, B, N, A, K
+    )
+    parents, action_from_parent, children = _int_views(ibuf, B, N, A)
+    path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all = _path_views(ibuf[dims[11] :], B, N, K, n)
+    root_gumbel, root_log_prior, considered, log_priors = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    if w > 0:
+        pw = w - 1
+        first = 1 + pw * K
+        kw = min(K, n - pw * K)
+        rows = kw * B
+        value = carray(_pointer_like(p_value, fbuf), (rows,))
+        reward = carray(_pointer_like(p_reward, fbuf), (rows,))
+        discount = carray(_pointer_like(p_discount, fbuf), (rows,))
+        prior = carray(_pointer_like(p_prior, fbuf), (rows, A))  # torch's softmax: the torch path's bits
+        if p_emb != 0:
+            nxt = carray(_pointer_like(p_emb, emb_nodes), (rows, D))
+            for k in range(kw):
+                for b in range(B):
+                    for j in range(D):
+                        emb_nodes[b, first + k, j] = nxt[k * B + b, j]
+        _expand_backup_wave(
+            edges, node_visits, value_sums, raw_values, log_priors, rewards, discounts, parents,
+            action_from_parent, children, value_min, value_max, gumbel, first, path_nodes[:kw],
+            path_actions[:kw], depth[:kw], leaf[:kw], dup[:kw], flat_parent[:rows], act_all[pw, :rows],
+            prior, value, reward, discount,
+        )  # fmt: skip
+    if w < W:
+        first = 1 + w * K
+        kw = min(K, n - w * K)
+        rows = kw * B
+        _select_wave(
+            edges, node_visits, value_sums, raw_values, log_priors, children, vv, cf[2:], value_min,
+            value_max, invalid, has_invalid, gumbel, root_gumbel, root_log_prior, considered, w, cf[0],
+            cf[1], first, kw, path_nodes[:kw], path_actions[:kw], depth[:kw], leaf[:kw], dup[:kw],
+            flat_parent[:rows], act_all[w, :rows],
+        )  # fmt: skip
+        if D > 0:
+            e = w % emb_in.shape[0]
+            for i in range(rows):
+                b = flat_parent[i] // N
+                node = flat_parent[i] - b * N
+                for j in range(D):
+                    emb_in[e, i, j] = emb_nodes[b, node, j]
+
+
+@_jit
+def _outputs(fbuf, dims, cf, invalid, temperature, log_visits, action_noise, out_f, out_i):
+    """search._outputs: played action, policy target, visit counts, root value and Q of every root.
+    MuZero's temperature sampling takes torch's log of the visits (log_visits) and the Gumbel draws."""
+    B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
+    gumbel, has_invalid = dims[5] != 0, dims[6] != 0
+    edges, node_visits, value_sums, raw_values, _, _, _, _, _ = _float_views(fbuf, B, N, A, K)
+    root_gumbel, root_log_prior, _, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    weights = out_f[: B * A].reshape((B, A))
+    qvalues = out_f[B * A : 2 * B * A].reshape((B, A))
+    root_value = out_f[2 * B * A : 2 * B * A + B]
+    visit_counts = out_i[: B * A].reshape((B, A))
+    action = out_i[B * A : B * A + B]
+    sigma = np.empty(A, dtype=np.float32)
+    score = np.empty(A, dtype=np.float32)
+    for b in range(B):
+        total = _ZERO
+        top = _NEG_INF
+        for a in range(A):
+            v = edges[b, 0, VISITS, a]
+            total += v
+            top = max(top, v)
+            visit_counts[b, a] = np.int64(v)
+            q = edges[b, 0, REWARD, a] + edges[b, 0, DISCOUNT, a] * edges[b, 0, VALUE, a]
+            qvalues[b, a] = q if v > _ZERO else _ZERO
+        root_value[b] = value_sums[b, 0] / node_visits[b, 0]
+        if gumbel:
+            _sigma_completed(edges, raw_values, b, 0, cf[0], cf[1], sigma)
+            hi = _NEG_INF
+            for a in range(A):
+                t = root_log_prior[b, a] + sigma[a]
+                weights[b, a] = t
+                hi = max(hi, t)
+            s = _ZERO
+            for a in range(A):
+                e = np.exp(weights[b, a] - hi)
+                weights[b, a] = e
+                s += e
+            for a in range(A):
+                weights[b, a] = weights[b, a] / s
+                sc = max(root_gumbel[b, a] + root_log_prior[b, a] + sigma[a], _LOW_LOGIT)
+                score[a] = sc if edges[b, 0, VISITS, a] == top else _NEG_INF
+                if has_invalid and invalid[b, a]:
+                    score[a] = _NEG_INF
+            action[b] = _argmax(score)
+        else:
+            for a in range(A):
+                weights[b, a] = edges[b, 0, VISITS, a] / total
+            if temperature == _ZERO:
+                for a in range(A):
+                    score[a] = edges[b, 0, VISITS, a]
+            else:
+                for a in range(A):
+                    score[a] = log_visits[b, a] / temperature + action_noise[b, a]
+            action[b] = _argmax(score)
+
+
+# ----------------------------------------------------------- noise: torch's draws, fewer torch calls
+
+
+@_jit
+def _clamp_tiny(u):
+    flat = u.reshape(u.size)
+    for i in range(flat.size):
+        flat[i] = max(flat[i], _TINY)
+
+
+@_jit
+def _negate(x):
+    flat = x.reshape(x.size)
+    for i in range(flat.size):
+        flat[i] = -flat[i]
+
+
+@_jit
+def _gamma_proposals(x, u, u_small, c, v, v_pos):
+    """Marsaglia-Tsang proposals v = (1 + c x)^3 (torch's pow(3) is b * b * b) and where(v > 0, v, 1);
+    u and u_small are clamped to (0, 1) in place (noise._uniform_open)."""
+    xf, uf, vf, pf = x.reshape(x.size), u.reshape(u.size), v.reshape(v.size), v_pos.reshape(v_pos.size)
+    for i in range(xf.size):
+        uf[i] = max(uf[i], _TINY)
+        t = xf[i] * c + _ONE
+        t = t * t * t
+        vf[i] = t
+        pf[i] = t if t > _ZERO else _ONE
+    sf = u_small.reshape(u_small.size)
+    for i in range(sf.size):
+        sf[i] = max(sf[i], _TINY)
+
+
+@_jit
+def _gamma_accept(x, v, log_u, log_v, d, log_d, log_u_small, alpha, out):
+    """noise.sample_log_gamma's acceptance: the first accepted proposal's log(d) + log(v), else log(d);
+    then + log(u_small) / alpha when alpha < 1 (log_u_small has out's size then)."""
+    P = x.shape[0]
+    size = out.size
+    xf, vf = x.reshape((P, size)), v.reshape((P, size))
+    luf, lvf = log_u.reshape((P, size)), log_v.reshape((P, size))
+    of = out.reshape(size)
+    half = np.float32(0.5)
+    for i in range(size):
+        res = log_d
+        for p in range(P):
+            xi = xf[p, i]
+            vi = vf[p, i]
+            rhs = half * xi * xi + d - d * vi + d * lvf[p, i]
+            if vi > _ZERO and luf[p, i] < rhs:
+                res = log_d + lvf[p, i]
+                break
+        of[i] = res
+    if log_u_small.size == size:
+        lsf = log_u_small.reshape(size)
+        for i in range(size):
+            of[i] = of[i] + lsf[i] / alpha
+
+
+_EMPTY_T = torch.empty(0)
+_EMPTY_NP = np.empty(0, np.float32)
+
+
+def sample_gumbel(shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
+    """noise.sample_gumbel's draw and bits (-log(-log(U))): torch's rand and logs, the clamp and the
+    negations compiled."""
+    u = torch.rand(shape, generator=generator)
+    _clamp_tiny(u.numpy())
+    t = torch.log(u)
+    _negate(t.numpy())
+    t = torch.log(t)
+    _negate(t.numpy())
+    return t
+
+
+def sample_log_gamma(alpha: float, shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
+    """noise.sample_log_gamma's draws and bits: torch's randn, rand and logs on the same shapes; the float32
+    arithmetic between them compiled."""
+    from rayzero.tree.noise import GAMMA_PROPOSALS
+
+    a = alpha + 1.0 if alpha < 1.0 else alpha
+    d = a - 1.0 / 3.0
+    c = 1.0 / math.sqrt(9.0 * d)
+    x = torch.randn((GAMMA_PROPOSALS, *shape), generator=generator)
+    u = torch.rand((GAMMA_PROPOSALS, *shape), generator=generator)
+    u_small = torch.rand(shape, generator=generator) if alpha < 1.0 else _EMPTY_T
+    xs = x.numpy()
+    v = np.empty(xs.shape, np.float32)
+    v_pos = torch.empty(xs.shape)
+    _gamma_proposals(xs, u.numpy(), u_small.numpy(), _F32(c), v, v_pos.numpy())
+    log_u = torch.log(u)
+    log_v = torch.log(v_pos)
+    log_u_small = torch.log(u_small).numpy() if alpha < 1.0 else _EMPTY_NP
+    out = np.empty(shape, np.float32)
+    _gamma_accept(xs, v, log_u.numpy(), log_v.numpy(), _F32(d), _F32(math.log(d)), log_u_small, _F32(alpha), out)
+    return torch.from_numpy(out)
+
+
+# ------------------------------------------------------------------------------------------- the search
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -383,164 +760,269 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-_NUMPY_DTYPES = {
+_F32T = torch.float32
+_FAST_EMBEDDINGS = {
     torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool,
+    torch.uint8,
 }  # fmt: skip
 
 
-class _Embeddings:
-    """The tree's node embeddings [B, N, ...]: gathered and written with numpy when they are one tensor of a
-    numpy dtype (a few µs less per wave than torch's indexing at small B), with torch otherwise."""
-
-    def __init__(self, embeddings: Any) -> None:
-        self.tree = embeddings
-        self.fast = isinstance(embeddings, torch.Tensor) and embeddings.dtype in _NUMPY_DTYPES
-        if self.fast:
-            B, N = embeddings.shape[:2]
-            self.rest = tuple(embeddings.shape[2:])
-            self.nodes = embeddings.numpy().reshape(B, N, -1)  # a view: the tensor is contiguous
-            self.flat = self.nodes.reshape(B * N, -1)
-
-    def gather(self, flat_parent: np.ndarray) -> Any:
-        """[Kw * B, ...] embeddings of the nodes `flat_parent` (indices into the [B * N] node views)."""
-        if self.fast:
-            rows = np.take(self.flat, flat_parent, axis=0)
-            return torch.from_numpy(rows.reshape(flat_parent.shape[0], *self.rest))
-        flat = torch.from_numpy(flat_parent)
-        return tree_map(lambda t: t.flatten(0, 1).index_select(0, flat), self.tree)
-
-    def write(self, first: int, kw: int, next_embedding: Any) -> None:
-        """Store the [Kw * B, ...] (k-major) new embeddings as nodes first .. first + kw - 1."""
-        if (
-            self.fast
-            and isinstance(next_embedding, torch.Tensor)
-            and next_embedding.dtype == self.tree.dtype
-            and not next_embedding.requires_grad
-        ):
-            src = next_embedding.numpy().reshape(kw, -1, self.nodes.shape[2])
-            if kw == 1:
-                self.nodes[:, first] = src[0]
-            else:
-                self.nodes[:, first : first + kw] = src.transpose(1, 0, 2)
-            return
-        if kw == 1:
-            tree_map2(lambda dst, src: dst[:, first].copy_(src), self.tree, next_embedding)
-            return
-        # rows are k-major: [Kw * B, ...] -> [B, Kw, ...]
-        tree_map2(
-            lambda dst, src: dst[:, first : first + kw].copy_(
-                src.reshape(kw, -1, *src.shape[1:]).transpose(0, 1)
-            ),
-            self.tree,
-            next_embedding,
-        )
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when it is a contiguous float32 CPU tensor (its address is read by `_wave`),
+    else a float32 contiguous CPU copy."""
+    if t.dtype is _F32T and t.is_cpu and t.is_contiguous():
+        return t
+    if not t.is_cpu:
+        raise ValueError(f"recurrent_fn returned a tensor on {t.device} for a search on the CPU")
+    return t.detach().float().contiguous()
 
 
-def _same_shapes(out: Any, next_embedding: Any, rows: int, A: int, embedding_shape: tuple | None) -> bool:
-    """Cheap re-check of a recurrent_fn output after the first wave's full check (the compiled code does
-    no bounds checks, so every wave's arrays must have the right sizes)."""
-    if type(out) is not RecurrentOutput:
-        return False
+def _addresses(out: Any, nxt: Any, rows: int, A: int, rest: tuple | None, emb_dtype: Any) -> tuple | None:
+    """((prior, value, reward, discount, embedding) addresses, tensors to keep alive) for `_wave`, or None
+    when the recurrent_fn output is not a RecurrentOutput of tensors of the expected shapes with a one-tensor
+    embedding (then the caller runs the full check). Checked on every wave: the compiled code reads these
+    by address and does no bounds checks. Outputs of other dtypes or layouts are copied to contiguous
+    float32 (the torch path's .float()); an embedding that is not a contiguous CPU tensor of the tree's dtype
+    gets address 0 and the caller writes it with torch."""
+    if type(out) is not RecurrentOutput or type(nxt) is not torch.Tensor or rest is None:
+        return None
+    reward, discount, logits, value = out
     r = (rows,)
     for t in out:
         if type(t) is not torch.Tensor:
-            return False
-    if out.reward.shape != r or out.discount.shape != r or out.value.shape != r:
-        return False
-    if out.prior_logits.shape != (rows, A):
-        return False
-    return (
-        embedding_shape is not None
-        and type(next_embedding) is torch.Tensor
-        and (next_embedding.shape == (rows, *embedding_shape))
+            return None
+    if reward.shape != r or discount.shape != r or value.shape != r or logits.shape != (rows, A):
+        return None
+    if nxt.shape != (rows, *rest):
+        return None
+    for t in out:
+        if t.dtype is not _F32T or not t.is_cpu or not t.is_contiguous():
+            reward, discount, logits, value = _f32(reward), _f32(discount), _f32(logits), _f32(value)
+            break
+    prior = torch.softmax(logits, dim=-1)  # the torch path's softmax (vectorised; MuZero needs its bits)
+    p_emb = nxt.data_ptr() if nxt.dtype is emb_dtype and nxt.is_cpu and nxt.is_contiguous() else 0
+    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), p_emb)
+    return ptrs, prior, value, reward, discount, nxt
+
+
+def _converted(out: RecurrentOutput) -> tuple:
+    """`_addresses` for an output that passed the full check but not `_addresses`' shape test (a pytree
+    embedding): float32 contiguous copies, the embedding written by the caller (address 0)."""
+    logits = _f32(out.prior_logits)
+    prior = torch.softmax(logits, dim=-1)
+    value, reward, discount = _f32(out.value), _f32(out.reward), _f32(out.discount)
+    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), 0)
+    return ptrs, prior, value, reward, discount
+
+
+_CONSTANTS: dict[tuple, np.ndarray] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple:
+    """(tree field views (name, buffer 0 = float / 1 = int, start, stop, shape), tree float and int sizes,
+    working float and int sizes) of a search shape."""
+    views = []
+    sizes = []
+    for i, layout in enumerate((float_layout(B, N, A, K), int_layout(B, N, A))):
+        o = 0
+        for name, shape in layout:
+            size = math.prod(shape)
+            if K > 1 or name != "virtual_visits":
+                views.append((name, i, o, o + size, shape))
+            o += size
+        sizes.append(o)
+    work_i, work_f = _work_sizes(B, N, A, K, n, gumbel)
+    return tuple(views), sizes[0], sizes[1], work_f, work_i
+
+
+@functools.lru_cache(maxsize=64)
+def _dims_cached(*values: int) -> np.ndarray:
+    dims = np.array(values, np.int64)
+    dims.flags.writeable = False
+    return dims
+
+
+def _dims(*values: Any) -> np.ndarray:
+    """The int64 shape and flag vector the kernels read (cached, read-only)."""
+    return _dims_cached(*(int(v) for v in values))
+
+
+def _constants(n: int, K: int, config: Any) -> np.ndarray:
+    """float32 [maxvisit_init, value_scale, PUCT coefficient table...] of a search setting (cached)."""
+    key = (n, K, config.pb_c_init, config.pb_c_base, config.maxvisit_init, config.value_scale)
+    cf = _CONSTANTS.get(key)
+    if cf is None:
+        from rayzero.tree.action_selection import puct_coefficients
+
+        coef = puct_coefficients(n + K + 1, config.pb_c_init, config.pb_c_base, torch.device("cpu"))
+        head = np.array([config.maxvisit_init, config.value_scale], np.float32)
+        cf = np.concatenate([head, coef.numpy()]).astype(np.float32)
+        _CONSTANTS[key] = cf
+    return cf
+
+
+_DUMMY_F3 = np.zeros((1, 1, 1), np.float32)
+_DUMMY_F2 = np.zeros((1, 1), np.float32)
+_DUMMY_B2 = np.zeros((1, 1), np.bool_)
+_NO_MIX = np.zeros(3, np.float32)
+
+
+def run_search(
+    logits: torch.Tensor,
+    value: torch.Tensor,
+    embedding: Any,
+    invalid: torch.Tensor | None,
+    recurrent_fn: RecurrentFn,
+    n: int,
+    K: int,
+    config: Any,
+    noise: Any,
+    generator: torch.Generator | None,
+    check_recurrent: Callable[[Any, Any, int, int, Any], None],
+    check_noise: Callable[[str, torch.Tensor, int, int, torch.device], None],
+) -> SearchOutput:
+    """A whole `search()` on CPU tensors (inputs already checked by search.py): root initialisation, one
+    compiled `_wave` call and one `recurrent_fn` call per wave of B * K leaves, and the outputs.
+
+    Torch work per search is the random draws, the logs and softmaxes the torch path computes (so MuZero
+    gets its bits) and the tensors handed out; per wave, `recurrent_fn` and (MuZero) the prior softmax.
+    """
+    cpu_dev = torch.device("cpu")
+    B, A = logits.shape
+    N = n + 1
+    W = -(-n // K)
+    gumbel = config.policy == "gumbel"
+    # Root priors and noise: the torch path's ops on the same tensors (search._init_root).
+    masked = logits if invalid is None else logits.masked_fill(invalid, float("-inf"))
+    prior = torch.softmax(masked, dim=-1)
+    dirichlet, mix = _DUMMY_F2, _NO_MIX
+    root_noise, log_prior, table, gumbel_scale = _DUMMY_F2, _DUMMY_F2, _DUMMY_F2, _ZERO
+    if not gumbel and config.dirichlet_fraction > 0:
+        log_gamma = noise.root if noise is not None and noise.root is not None else None
+        if log_gamma is None:
+            log_gamma = sample_log_gamma(config.dirichlet_alpha, (B, A), generator)
+        check_noise("noise.root", log_gamma, B, A, cpu_dev)
+        lg = log_gamma.float()
+        if invalid is not None:
+            lg = lg.masked_fill(invalid, float("-inf"))
+        dirichlet = _np(torch.softmax(lg, dim=-1))
+        f = config.dirichlet_fraction
+        mix = np.array([1.0, 1.0 - f, f], np.float32)
+    if gumbel:
+        from rayzero.tree.seq_halving import considered_visits_table
+
+        log_prior = _np(torch.log_softmax(masked, dim=-1))
+        if config.gumbel_scale > 0:
+            g = noise.root if noise is not None and noise.root is not None else None
+            if g is None:
+                g = sample_gumbel((B, A), generator)
+            check_noise("noise.root", g, B, A, cpu_dev)
+            root_noise = _np(g)
+            gumbel_scale = _F32(config.gumbel_scale)
+        table = considered_visits_table(config.max_num_considered_actions, n, cpu_dev).numpy()
+    inv = invalid.contiguous().numpy() if invalid is not None else _DUMMY_B2
+
+    # The tree and the search's working arrays: two flat buffers, fresh per search (the output keeps the
+    # tree, and searches in other threads have their own), the tree's tensors views of their heads.
+    views, tree_f, tree_i, work_f, work_i = _layout(B, N, A, K, n, gumbel)
+    fbuf = np.zeros(tree_f + work_f, np.float32)
+    ibuf = np.empty(tree_i + work_i, np.int64)
+    ibuf[:tree_i] = UNVISITED
+    bufs = (fbuf, ibuf)
+    fields = {name: torch.from_numpy(bufs[i][a:b].reshape(shape)) for name, i, a, b, shape in views}
+    fast = isinstance(embedding, torch.Tensor) and embedding.dtype in _FAST_EMBEDDINGS
+    if fast:
+        rest = tuple(embedding.shape[1:])
+        D = math.prod(rest)
+        tree_embeddings = torch.zeros((B, N, *rest), dtype=embedding.dtype)
+        emb_nodes = tree_embeddings.numpy().reshape(B, N, D)
+        root_emb = embedding.detach().contiguous().numpy().reshape(B, D)
+        # Every wave's parent embeddings in one buffer (each wave's recurrent_fn input is a view of its
+        # own row), unless that is large: then a fresh one-wave buffer per wave.
+        per_search = W * K * B * D * root_emb.itemsize <= 4 << 20
+        emb_in = np.empty((W if per_search else 1, K * B, D), root_emb.dtype)
+        emb_views = torch.from_numpy(emb_in.reshape(emb_in.shape[0], K * B, *rest)).unbind(0)
+    else:
+        rest, D = None, 0
+        tree_embeddings = tree_map(
+            lambda e: torch.zeros((B, N, *e.shape[1:]), dtype=e.dtype), embedding
+        )
+        tree_map2(lambda dst, src: dst[:, 0].copy_(src), tree_embeddings, embedding)
+        emb_nodes, root_emb = _DUMMY_F3, _DUMMY_F2
+        emb_in, per_search, emb_views = _DUMMY_F3, True, ()
+    tree = Tree(embeddings=tree_embeddings, **fields)
+    dims = _dims(B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i)
+    cf = _constants(n, K, config)
+    _init_search(
+        fbuf, ibuf, dims, _np(prior), dirichlet, mix, _np(value), root_noise, gumbel_scale,
+        log_prior, table, inv, emb_nodes, root_emb,
+    )  # fmt: skip
+
+    # Each wave's actions: a row of the search's own buffer (recurrent_fn may keep its inputs).
+    o = tree_i + 2 * K * B * N + 3 * K * B
+    flat_parent = torch.from_numpy(ibuf[o : o + K * B])
+    act_views = torch.from_numpy(ibuf[o + K * B : o + K * B + W * K * B].reshape(W, K * B)).unbind(0)
+    p_prior = p_value = p_reward = p_discount = p_emb = 0
+    emb_dtype = embedding.dtype if fast else None
+    for w in range(W + 1):
+        if not per_search and w < W:
+            emb_in = np.empty((1, K * B, D), root_emb.dtype)
+            emb_views = (torch.from_numpy(emb_in.reshape(1, K * B, *rest))[0],)
+        _wave(fbuf, ibuf, dims, cf, inv, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
+        if w == W:
+            break
+        kw = min(K, n - w * K)
+        rows = kw * B
+        action = act_views[w] if kw == K else act_views[w][:rows]
+        if fast:
+            parent_embedding = emb_views[w % len(emb_views)]
+            if kw < K:
+                parent_embedding = parent_embedding[:rows]
+        else:
+            fp = flat_parent[:rows]
+            parent_embedding = tree_map(lambda t, fp=fp: t.flatten(0, 1).index_select(0, fp), tree_embeddings)
+        out, next_embedding = recurrent_fn(action, parent_embedding)
+        # `held` keeps every tensor whose address _wave reads alive until that call.
+        held = _addresses(out, next_embedding, rows, A, rest, emb_dtype)
+        if held is None:  # a pytree embedding, or a bad output: the full check (it raises for the latter)
+            check_recurrent(out, next_embedding, rows, A, tree_embeddings)
+            held = _converted(out)
+        p_prior, p_value, p_reward, p_discount, p_emb = held[0]
+        if p_emb == 0:
+            _write_embeddings(tree_embeddings, 1 + w * K, kw, next_embedding)
+
+    log_visits, action_noise, temperature = _DUMMY_F2, _DUMMY_F2, _ZERO
+    if not gumbel and config.temperature != 0:
+        g = noise.action if noise is not None and noise.action is not None else None
+        if g is None:
+            g = sample_gumbel((B, A), generator)
+        check_noise("noise.action", g, B, A, cpu_dev)
+        action_noise = _np(g)
+        # The torch path's log, on a view of the same layout (tree.edges[:, ROOT, VISITS]).
+        edges_np = fbuf[: B * N * _C * A].reshape(B, N, _C, A)
+        log_visits = torch.log(torch.from_numpy(edges_np[:, 0, VISITS])).numpy()
+        temperature = _F32(config.temperature)
+    out_f = np.empty(2 * B * A + B, np.float32)
+    out_i = np.empty(B * A + B, np.int64)
+    _outputs(fbuf, dims, cf, inv, temperature, log_visits, action_noise, out_f, out_i)
+    return SearchOutput(
+        action=torch.from_numpy(out_i[B * A :]),
+        action_weights=torch.from_numpy(out_f[: B * A].reshape(B, A)),
+        visit_counts=torch.from_numpy(out_i[: B * A].reshape(B, A)),
+        root_value=torch.from_numpy(out_f[2 * B * A :]),
+        qvalues=torch.from_numpy(out_f[B * A : 2 * B * A].reshape(B, A)),
+        tree=tree,
     )
 
 
-class _Arrays:
-    """numpy views of one search's tree and per-search constants (made once per search)."""
-
-    def __init__(self, tree: Tree, ctx: Any) -> None:
-        B, A, K, N = ctx.B, ctx.A, ctx.K, ctx.N
-        self.edges = tree.edges.numpy()
-        self.node_visits = tree.node_visits.numpy()
-        self.value_sums = tree.value_sums.numpy()
-        self.raw_values = tree.raw_values.numpy()
-        self.rewards = tree.rewards.numpy()
-        self.discounts = tree.discounts.numpy()
-        self.parents = tree.parents.numpy()
-        self.action_from_parent = tree.action_from_parent.numpy()
-        self.children = tree.children_index.numpy()
-        self.value_min = tree.value_min.numpy()
-        self.value_max = tree.value_max.numpy()
-        vv = tree.virtual_visits
-        self.vv = vv.numpy() if vv is not None else np.zeros((1, 1, 1), np.float32)
-        self.coef = _np(ctx.coef)
-        self.has_invalid = ctx.invalid is not None
-        self.invalid = ctx.invalid.contiguous().numpy() if self.has_invalid else np.zeros((1, 1), np.bool_)
-        if ctx.gumbel:
-            self.root_gumbel = _np(ctx.root_gumbel)
-            self.root_log_prior = _np(ctx.root_log_prior)
-            self.considered = _np(ctx.considered)
-        else:
-            self.root_gumbel = self.root_log_prior = np.zeros((B, A), np.float32)
-            self.considered = np.zeros((1, 1), np.float32)
-        self.log_priors = np.empty((B, N, A) if ctx.gumbel else (1, 1, 1), np.float32)
-        # Path buffers of a wave, reused by every wave (a last, partial wave uses the first rows).
-        self.path_nodes = np.zeros((K, B, N), np.int64)
-        self.path_actions = np.zeros((K, B, N), np.int64)
-        self.depth = np.zeros((K, B), np.int64)
-        self.leaf = np.zeros((K, B), np.int64)
-        self.dup = np.zeros((K, B), np.bool_)
-        self.flat_parent = np.zeros(K * B, np.int64)
-
-
-def simulate(
-    tree: Tree,
-    ctx: Any,
-    recurrent_fn: RecurrentFn,
-    check_recurrent: Callable[[Any, Any, int, int, Any], None],
-) -> None:
-    """Run the search's simulations on `tree` (root already initialised): one compiled selection call,
-    one `recurrent_fn` call and one compiled expansion + backup call per wave of B * K leaves.
-
-    ctx: search._Context (B, N, A, K, num_simulations, config, gumbel, invalid, coef and the Gumbel root
-    tensors); check_recurrent: search._check_recurrent.
-    """
-    x = _Arrays(tree, ctx)
-    emb = _Embeddings(tree.embeddings)
-    emb_shape = emb.rest if emb.fast else None
-    B, A, K, n = ctx.B, ctx.A, ctx.K, ctx.num_simulations
-    config = ctx.config
-    maxvisit_init, value_scale = _F32(config.maxvisit_init), _F32(config.value_scale)
-    gumbel = bool(ctx.gumbel)
-    checked_rows = -1
-    for w in range(-(-n // K)):
-        first = 1 + w * K
-        kw = min(K, n - w * K)
-        if kw < K:
-            path_nodes, path_actions = x.path_nodes[:kw], x.path_actions[:kw]
-            depth, leaf, dup, flat_parent = x.depth[:kw], x.leaf[:kw], x.dup[:kw], x.flat_parent[: kw * B]
-        else:
-            path_nodes, path_actions = x.path_nodes, x.path_actions
-            depth, leaf, dup, flat_parent = x.depth, x.leaf, x.dup, x.flat_parent
-        action = np.empty(kw * B, np.int64)  # fresh: recurrent_fn may keep it
-        _select_wave(
-            x.edges, x.node_visits, x.value_sums, x.raw_values, x.log_priors, x.children, x.vv, x.coef,
-            x.value_min, x.value_max, x.invalid, x.has_invalid, gumbel, x.root_gumbel,
-            x.root_log_prior, x.considered, w, maxvisit_init, value_scale, first, kw,
-            path_nodes, path_actions, depth, leaf, dup, flat_parent, action,
-        )  # fmt: skip
-        rows = kw * B
-        out, next_embedding = recurrent_fn(torch.from_numpy(action), emb.gather(flat_parent))
-        if rows != checked_rows or not _same_shapes(out, next_embedding, rows, A, emb_shape):
-            check_recurrent(out, next_embedding, rows, A, tree.embeddings)
-            checked_rows = rows
-        emb.write(first, kw, next_embedding)
-        prior = torch.softmax(out.prior_logits.float(), dim=-1)
-        _expand_backup_wave(
-            x.edges, x.node_visits, x.value_sums, x.raw_values, x.log_priors, x.rewards, x.discounts,
-            x.parents, x.action_from_parent, x.children, x.value_min, x.value_max, gumbel, first,
-            path_nodes, path_actions, depth, leaf, dup, flat_parent, action,
-            _np(prior), _np(out.value), _np(out.reward), _np(out.discount),
-        )  # fmt: skip
+def _write_embeddings(tree_embeddings: Any, first: int, kw: int, next_embedding: Any) -> None:
+    """Store the [Kw * B, ...] (k-major) new embeddings as nodes first .. first + kw - 1, with torch."""
+    if kw == 1:
+        tree_map2(lambda dst, src: dst[:, first].copy_(src), tree_embeddings, next_embedding)
+        return
+    tree_map2(
+        lambda dst, src: dst[:, first : first + kw].copy_(src.reshape(kw, -1, *src.shape[1:]).transpose(0, 1)),
+        tree_embeddings,
+        next_embedding,
+    )

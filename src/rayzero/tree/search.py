@@ -93,14 +93,15 @@ def search(
             f"(device={device}, triton={kernels.triton_importable()}, virtual_loss={K})"
         )
     triton = (triton_ok and config.triton) if use_triton is None else bool(use_triton)
-    compiled_cpu = cpu.use_numba(device, config.cpu_backend)  # tree/cpu.py: numba waves on CPU tensors
+    if cpu.use_numba(device, config.cpu_backend):  # tree/cpu.py: the whole search compiled, CPU tensors
+        return cpu.run_search(
+            logits, value, embedding, invalid, recurrent_fn, n, K, config, noise, generator,
+            _check_recurrent, _check_noise,
+        )  # fmt: skip
 
     tree = allocate_tree(B, N, A, embedding, device=device, virtual_loss=K > 1)
     ctx = _Context(tree, config, invalid, n, K, device)
     _init_root(tree, ctx, logits, value, embedding, noise, generator)
-    if compiled_cpu:
-        cpu.simulate(tree, ctx, recurrent_fn, _check_recurrent)
-        return _outputs(tree, ctx, noise, generator)
 
     num_waves = -(-n // K)
     for w in range(num_waves):
