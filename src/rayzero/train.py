@@ -170,15 +170,18 @@ class Driver:
 
     def save_checkpoint(self, handles: cluster.Handles) -> Path:
         staging = ckpt.staging_dir(self.run_dir, self.counters.learner_steps)
-        try:
-            ray.get([handles.learner.save.remote(str(staging)), *handles.replay.snapshot(staging)])
-        except ray.exceptions.RayActorError as error:
-            if isinstance(error, ray.exceptions.RayTaskError):
-                raise
-            # A replay shard died mid-snapshot (Ray restarts it from the previous one): once more, whole.
-            log.warning("a role died while writing checkpoint %s (%s); writing it again", staging.name,
-                        _last_line(error))
-            ray.get([handles.learner.save.remote(str(staging)), *handles.replay.snapshot(staging)])
+        for attempt in range(3):
+            try:
+                ray.get([handles.learner.save.remote(str(staging)), *handles.replay.snapshot(staging)])
+                break
+            except ray.exceptions.RayActorError as error:
+                if isinstance(error, ray.exceptions.RayTaskError) or attempt == 2:
+                    raise
+                # A replay shard died mid-snapshot (Ray restarts it from the previous one): once it answers
+                # again, the whole checkpoint once more.
+                log.warning("a role died while writing checkpoint %s (%s); writing it again", staging.name,
+                            _last_line(error))
+                self._wait_for_replay(handles)
         counters = ray.get(handles.learner.counters.remote())
         self.counters.learner_steps = counters["learner_steps"]
         state = {
