@@ -79,7 +79,7 @@ def report(path: str) -> None:
         half = [r for r in rows if r["t"] >= end / 2 and key in r]
         slope = (half[-1][key] - half[0][key]) / max(1e-9, (half[-1]["t"] - half[0]["t"]) / 60) if len(half) > 1 else 0
         count = max((r.get(key + "#", 1) for r in rows if key in r), default=1)
-        cells = [at(key, 120), at(key, 600), rows[-1].get(key)]
+        cells = [at(key, 120), at(key, 600), at(key, end)]
         print(f"{key:28s} {count:5d} " + " ".join(f"{c:8.1f}" if c is not None else f"{'-':>8s}" for c in cells)
               + f" {slope:18.2f}")
     print(f"({len(rows)} samples over {end / 60:.1f} min; RSS in MiB, several processes of one class summed)")
