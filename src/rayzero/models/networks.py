@@ -250,7 +250,9 @@ class ResNet(MuZeroNet):
         self.repr_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
         latent_h, latent_w = -(-height // 16), -(-width // 16)
         self.latent_shape = (c, latent_h, latent_w)
-        self.dyn_conv = nn.Sequential(nn.Conv2d(c + 1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+        # The action enters the dynamics as one-hot planes (LightZero's Atari encoding), not EfficientZero's one
+        # plane of a / A: distinct actions whose codes are close (Pong's RIGHT and LEFT) then differ as much as any.
+        self.dyn_conv = nn.Sequential(nn.Conv2d(c + num_actions, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
         self.dyn_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
         flat = cfg.reduced_channels * latent_h * latent_w
         self.reward_conv = nn.Conv2d(c, cfg.reduced_channels, 1)
@@ -275,8 +277,9 @@ class ResNet(MuZeroNet):
 
     def transition(self, latent: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         batch, _, height, width = latent.shape
-        plane = (action.to(latent.dtype) / self.num_actions).view(batch, 1, 1, 1).expand(batch, 1, height, width)
-        x = F.relu(self.dyn_conv(torch.cat([latent, plane], dim=1)) + latent)
+        planes = F.one_hot(action.long(), self.num_actions).to(latent.dtype).view(batch, -1, 1, 1)
+        planes = planes.expand(batch, self.num_actions, height, width)
+        x = F.relu(self.dyn_conv(torch.cat([latent, planes], dim=1)) + latent)
         return scale_latent(self.dyn_blocks(x))
 
     def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
