@@ -452,6 +452,36 @@ def test_options_resume_exactly(tmp_path):
         torch.testing.assert_close(t1, t2, rtol=0, atol=0)
 
 
+def test_a_target_network_that_fails_to_compile_bootstraps_eagerly_with_the_same_values(monkeypatch):
+    """The target network's bootstrap forward is compiled on its own; when the compiler fails on it, the step
+    carries on eagerly and trains exactly as a learner that never compiled it."""
+    def fake_compile(fn, mode="default", **kwargs):
+        def run(*args):
+            if fn is loss_lib.bootstrap_values:
+                raise torch._dynamo.exc.BackendCompilerFailed(run, RuntimeError("no target graph here"), None)
+            return fn(*args)
+        return run
+
+    from rayzero.learner import loss as loss_lib
+
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    cfg = LearnerConfig(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cpu", target_update_interval=2)
+    replay = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=2, td_steps=2, min_size=0, bootstrap_obs=True),
+                          seed=0)
+    for s in image_segments():
+        replay.add(s)
+    batches = [replay.sample(8) for _ in range(4)]
+    reference = Learner(model, cfg, (3, 16, 16), 3, seed=0)
+    expected = [reference.step(b)[0]["loss"] for b in batches]
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    learner = Learner(model, LearnerConfig(**{**cfg.__dict__, "compile": True, "compile_mode": "default"}),
+                      (3, 16, 16), 3, seed=0)
+    assert learner._compiled_bootstrap is not None
+    got = [learner.step(b)[0]["loss"] for b in batches]
+    assert learner._compiled_bootstrap is None  # given up after the failure
+    assert got == expected
+
+
 def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):
     working = {"default"}
 

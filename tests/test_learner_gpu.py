@@ -114,3 +114,26 @@ def test_consistency_loss_trains_through_the_replay_actor_and_the_device_cache()
     results = consistency_through_a_replay_actor(cfg, num_gpus=1)
     assert results[-1]["obs_path"] == "device_cache"
     assert results[-1]["consistency_loss"] < -0.35, [r["consistency_loss"] for r in results]
+
+
+def test_compiled_target_network_bootstraps_match_the_eager_ones():
+    """The learner compiles the target network's bootstrap forward on CUDA: its values equal the eager forward's
+    (bf16 autocast both), and a copy of new weights into the target (sync_target) is seen without recompiling."""
+    from rayzero.config import LearnerConfig
+    from rayzero.learner import Learner
+    from rayzero.learner.loss import bootstrap_values
+
+    model = ModelConfig(kind="resnet", channels=16, blocks=1, support_size=10, reduced_channels=4, head_hidden=16)
+    cfg = LearnerConfig(batch_size=16, device="cuda", compile=True, compile_mode="default", target_update_interval=5)
+    learner = Learner(model, cfg, (12, 96, 96), 6, seed=0)
+    obs = torch.randint(0, 256, (16, 6, 12, 96, 96), dtype=torch.uint8, device="cuda")
+    for step in range(2):
+        with torch.no_grad():  # new weights (the value head starts at zero), copied in place as sync_target does
+            for p in learner.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        learner.sync_target()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            compiled = learner._bootstrap(obs).float()
+            eager = bootstrap_values(learner.target, obs).float()
+        assert learner._compiled_bootstrap is not None and eager.abs().mean() > 0.01
+        torch.testing.assert_close(compiled, eager, rtol=0.02, atol=0.02)

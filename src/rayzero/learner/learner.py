@@ -155,8 +155,11 @@ class Learner:
             **({"fused": True} if cuda else {"foreach": True}),
         )
         self.target = None
+        self._compiled_bootstrap: Any | None = None
         if cfg.target_update_interval:
             self.target = copy.deepcopy(self.model).eval().requires_grad_(False)
+            if use_compile:  # its forward over [B, K+1] observations costs more GPU time than the step's own
+                self._compiled_bootstrap = torch.compile(bootstrap_values, dynamic=False)
         self.steps = 0
         self.version = 0
         self.samples = 0
@@ -239,7 +242,7 @@ class Learner:
                 self.sync_target()
             with torch.autocast(self.device.type, dtype=torch.bfloat16,
                                 enabled=cfg.bf16 and self.device.type == "cuda"):
-                boot = bootstrap_values(self.target, tensors["bootstrap_obs"], self.channels_last).float()
+                boot = self._bootstrap(tensors["bootstrap_obs"]).float()
             tensors = dict(tensors, target_values=tensors["target_values"] + tensors["bootstrap_scale"] * boot)
         if self.consistency is not None and "next_obs" not in tensors:
             raise ValueError("learner.consistency_weight > 0 needs batches with next observations: "
@@ -303,6 +306,20 @@ class Learner:
             param.grad = grad
         if moved:
             torch._foreach_copy_([dst for dst, _ in moved], [src for _, src in moved])
+
+    def _bootstrap(self, obs: torch.Tensor) -> torch.Tensor:
+        """[B, K+1] target-network values of the bootstrap observations: compiled when the step is, eager after
+        a compiler failure (logged once; an out-of-memory error or a bug still raises)."""
+        if self._compiled_bootstrap is not None:
+            try:
+                return self._compiled_bootstrap(self.target, obs, self.channels_last)
+            except Exception as error:
+                if not is_compile_error(error):
+                    raise
+                log.warning(f"torch.compile of the target network failed ({type(error).__name__}); evaluating it "
+                            "eagerly")
+                self._compiled_bootstrap = None
+        return bootstrap_values(self.target, obs, self.channels_last)
 
     def sync_target(self) -> None:
         """Copy the network into the target network."""
