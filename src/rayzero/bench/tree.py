@@ -199,7 +199,9 @@ def bench_ours(
 
 CPU_BATCHES = (1, 32, 64, 256, 1024)
 # The compiled tree's entry points that run_search calls from Python (timed as "compiled calls").
-COMPILED_CALLS = ("_init_search", "_wave", "_outputs", "_clamp_tiny", "_negate", "_gamma_proposals", "_gamma_accept")
+COMPILED_CALLS = (
+    "_init_search", "_wave", "_outputs", "_rewrite_priors", "_clamp_tiny", "_negate", "_gamma_proposals", "_gamma_accept",
+)  # fmt: skip
 CPU_MODES = ("numba", "torch")
 CPU_NETS = ("none", "table")
 

@@ -84,6 +84,9 @@ def _identity(fn: Any) -> Any:
 
 # error_model="numpy": float division by zero gives inf/nan as in torch instead of raising.
 _jit = njit(cache=True, nogil=True, error_model="numpy") if _NUMBA else _identity
+# Inlined into their callers at numba's IR level (the views of the flat buffers): no call and no reference
+# counting of the arrays passed and returned.
+_jit_inline = njit(cache=True, nogil=True, error_model="numpy", inline="always") if _NUMBA else _identity
 
 
 @_jit
@@ -217,12 +220,12 @@ def _select_wave(
     dup,  # out [Kw, B] bool walk ended on an edge an earlier walk of this wave claimed
     flat_parent,  # out [Kw * B] i64 (k-major) leaf parent's index in the [B * N] node views
     leaf_action,  # out [Kw * B] i64 (k-major) action of the leaf edge
+    score,  # scratch [A] f32
 ):
     B, N = node_visits.shape
     A = children.shape[2]
     L = path_nodes.shape[2]
     use_vv = num_walks > 1
-    score = np.empty(A, dtype=np.float32)
     for b in range(B):
         # qtransforms.minmax_bounds: min/max only change in the backup, so once per tree and wave.
         spread = value_max[b] - value_min[b]
@@ -425,83 +428,97 @@ def int_layout(B: int, N: int, A: int) -> list[tuple[str, tuple[int, ...]]]:
     return [("parents", (B, N)), ("action_from_parent", (B, N)), ("children_index", (B, N, A))]
 
 
-@_jit
+@_jit_inline
+def _at(buf, o, shape):
+    """View of buf[o : o + prod(shape)] as `shape`, made from its address: an array without a reference
+    count (numba's slices and reshapes of a buffer count references atomically, per view and wave)."""
+    return carray(_pointer_like(buf.ctypes.data + o * buf.itemsize, buf), shape)
+
+
+@_jit_inline
 def _float_views(fbuf, B, N, A, K):
     o = 0
-    edges = fbuf[o : o + B * N * _C * A].reshape((B, N, _C, A))
+    edges = _at(fbuf, o, (B, N, _C, A))
     o += B * N * _C * A
-    node_visits = fbuf[o : o + B * N].reshape((B, N))
+    node_visits = _at(fbuf, o, (B, N))
     o += B * N
-    value_sums = fbuf[o : o + B * N].reshape((B, N))
+    value_sums = _at(fbuf, o, (B, N))
     o += B * N
-    raw_values = fbuf[o : o + B * N].reshape((B, N))
+    raw_values = _at(fbuf, o, (B, N))
     o += B * N
-    rewards = fbuf[o : o + B * N].reshape((B, N))
+    rewards = _at(fbuf, o, (B, N))
     o += B * N
-    discounts = fbuf[o : o + B * N].reshape((B, N))
+    discounts = _at(fbuf, o, (B, N))
     o += B * N
-    value_min = fbuf[o : o + B]
+    value_min = _at(fbuf, o, (B,))
     o += B
-    value_max = fbuf[o : o + B]
+    value_max = _at(fbuf, o, (B,))
     o += B
     if K > 1:
-        vv = fbuf[o : o + B * N * A].reshape((B, N, A))
+        vv = _at(fbuf, o, (B, N, A))
     else:
-        vv = fbuf[o : o + 1].reshape((1, 1, 1))
+        vv = _at(fbuf, o, (1, 1, 1))
     return edges, node_visits, value_sums, raw_values, rewards, discounts, value_min, value_max, vv
 
 
-@_jit
+@_jit_inline
 def _int_views(ibuf, B, N, A):
-    parents = ibuf[0 : B * N].reshape((B, N))
-    action_from_parent = ibuf[B * N : 2 * B * N].reshape((B, N))
-    children = ibuf[2 * B * N : 2 * B * N + B * N * A].reshape((B, N, A))
+    parents = _at(ibuf, 0, (B, N))
+    action_from_parent = _at(ibuf, B * N, (B, N))
+    children = _at(ibuf, 2 * B * N, (B, N, A))
     return parents, action_from_parent, children
 
 
-def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple[int, int]:
+def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool, small: bool) -> tuple[int, int]:
     """Lengths of the int64 and float32 working parts after the tree's fields (`_path_views` plus every
-    wave's actions, `_root_views`)."""
+    wave's actions, `_root_views` plus the selection's score scratch of A floats; with `small`, every
+    wave's logits and one wave's compiled softmax, `_small_views`)."""
     W = -(-n // K)
     si = 2 * K * B * N + 4 * K * B + W * K * B
-    sf = 2 * B * A + B * n + (B * N * A if gumbel else 1)
+    sf = _small_offset(B, N, A, n, gumbel) + ((W + 1) * K * B * A if small else 0)
     return si, sf
 
 
-@_jit
-def _path_views(si, B, N, K, n):
-    o = 0
-    path_nodes = si[o : o + K * B * N].reshape((K, B, N))
+def _small_offset(B: int, N: int, A: int, n: int, gumbel: bool) -> int:
+    """Where `_small_views` start in the float working part."""
+    return 2 * B * A + B * n + (B * N * A if gumbel else 1) + A
+
+
+@_jit_inline
+def _path_views(ibuf, o, B, N, K, n):
+    path_nodes = _at(ibuf, o, (K, B, N))
     o += K * B * N
-    path_actions = si[o : o + K * B * N].reshape((K, B, N))
+    path_actions = _at(ibuf, o, (K, B, N))
     o += K * B * N
-    depth = si[o : o + K * B].reshape((K, B))
+    depth = _at(ibuf, o, (K, B))
     o += K * B
-    leaf = si[o : o + K * B].reshape((K, B))
+    leaf = _at(ibuf, o, (K, B))
     o += K * B
-    dup = si[o : o + K * B].reshape((K, B))
+    dup = _at(ibuf, o, (K, B))
     o += K * B
-    flat_parent = si[o : o + K * B]
+    flat_parent = _at(ibuf, o, (K * B,))
     o += K * B
     W = -(-n // K)
-    act_all = si[o : o + W * K * B].reshape((W, K * B))  # every wave's actions (recurrent_fn's inputs)
+    act_all = _at(ibuf, o, (W, K * B))  # every wave's actions (recurrent_fn's inputs)
     return path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all
 
 
-@_jit
-def _root_views(sf, B, N, A, K, n, gumbel):
-    o = 0
-    root_gumbel = sf[o : o + B * A].reshape((B, A))
+@_jit_inline
+def _root_views(fbuf, o, B, N, A, K, n, gumbel):
+    root_gumbel = _at(fbuf, o, (B, A))
     o += B * A
-    root_log_prior = sf[o : o + B * A].reshape((B, A))
+    root_log_prior = _at(fbuf, o, (B, A))
     o += B * A
-    considered = sf[o : o + B * n].reshape((B, n))
+    considered = _at(fbuf, o, (B, n))
     o += B * n
     if gumbel:
-        log_priors = sf[o : o + B * N * A].reshape((B, N, A))
+        log_priors = _at(fbuf, o, (B, N, A))
+        o += B * N * A
     else:
-        log_priors = sf[o : o + 1].reshape((1, 1, 1))
-    return root_gumbel, root_log_prior, considered, log_priors
+        log_priors = _at(fbuf, o, (1, 1, 1))
+        o += 1
+    score = _at(fbuf, o, (A,))  # the selection's scratch
+    return root_gumbel, root_log_prior, considered, log_priors, score
 
 
 @_jit
@@ -515,7 +532,7 @@ def _init_search(
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid, D, m = dims[5] != 0, dims[6] != 0, dims[7], dims[9]
     edges, node_visits, value_sums, raw_values, _, _, value_min, value_max, _ = _float_views(fbuf, B, N, A, K)
-    root_gumbel, root_log_prior, considered, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    root_gumbel, root_log_prior, considered, _, _ = _root_views(fbuf, dims[10], B, N, A, K, n, gumbel)
     for b in range(B):
         value_min[b] = _INF
         value_max[b] = _NEG_INF
@@ -541,6 +558,44 @@ def _init_search(
             emb_nodes[b, 0, j] = root_emb[b, j]
 
 
+@_jit_inline
+def _softmax_rows(logits, store, prior):
+    """prior = softmax(logits) row by row (float32, torch's steps: max, exp of the differences, times the
+    reciprocal of their sum); the logits are copied into store."""
+    rows, A = logits.shape
+    for i in range(rows):
+        top = _NEG_INF
+        for a in range(A):
+            x = logits[i, a]
+            store[i, a] = x
+            if x > top or x != x:
+                top = x
+        total = _ZERO
+        for a in range(A):
+            e = np.exp(logits[i, a] - top)
+            prior[i, a] = e
+            total += e
+        inv = _ONE / total
+        for a in range(A):
+            prior[i, a] = prior[i, a] * inv
+
+
+@_jit
+def _rewrite_priors(fbuf, dims, prior_all):
+    """Small batches: every expanded node's priors from torch's softmax of all waves' logits at once
+    (prior_all [W * K * B, A]), so the returned tree holds the torch path's bits."""
+    B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
+    W = dims[8]
+    edges = _at(fbuf, 0, (B, N, _C, A))
+    for pw in range(W):
+        kw = min(K, n - pw * K)
+        for k in range(kw):
+            for b in range(B):
+                row = pw * K * B + k * B + b
+                for a in range(A):
+                    edges[b, 1 + pw * K + k, PRIOR, a] = prior_all[row, a]
+
+
 @_jit
 def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount,
           p_emb):  # fmt: skip
@@ -553,8 +608,10 @@ def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value,
         fbuf, B, N, A, K
     )
     parents, action_from_parent, children = _int_views(ibuf, B, N, A)
-    path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all = _path_views(ibuf[dims[11] :], B, N, K, n)
-    root_gumbel, root_log_prior, considered, log_priors = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all = _path_views(ibuf, dims[11], B, N, K, n)
+    root_gumbel, root_log_prior, considered, log_priors, score = _root_views(
+        fbuf, dims[10], B, N, A, K, n, gumbel
+    )
     if w > 0:
         pw = w - 1
         first = 1 + pw * K
@@ -563,7 +620,13 @@ def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value,
         value = carray(_pointer_like(p_value, fbuf), (rows,))
         reward = carray(_pointer_like(p_reward, fbuf), (rows,))
         discount = carray(_pointer_like(p_discount, fbuf), (rows,))
-        prior = carray(_pointer_like(p_prior, fbuf), (rows, A))  # torch's softmax: the torch path's bits
+        if dims[12] != 0:  # small batch: p_prior holds the logits; the compiled softmax, logits kept
+            logits = carray(_pointer_like(p_prior, fbuf), (rows, A))
+            store = _at(fbuf, dims[12] + pw * K * B * A, (rows, A))
+            prior = _at(fbuf, dims[12] + W * K * B * A, (rows, A))
+            _softmax_rows(logits, store, prior)
+        else:
+            prior = carray(_pointer_like(p_prior, fbuf), (rows, A))  # torch's softmax: the torch path's bits
         if p_emb != 0:
             nxt = carray(_pointer_like(p_emb, emb_nodes), (rows, D))
             for k in range(kw):
@@ -584,7 +647,7 @@ def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value,
             edges, node_visits, value_sums, raw_values, log_priors, children, vv, cf[2:], value_min,
             value_max, invalid, has_invalid, gumbel, root_gumbel, root_log_prior, considered, w, cf[0],
             cf[1], first, kw, path_nodes[:kw], path_actions[:kw], depth[:kw], leaf[:kw], dup[:kw],
-            flat_parent[:rows], act_all[w, :rows],
+            flat_parent[:rows], act_all[w, :rows], score,
         )  # fmt: skip
         if D > 0:
             e = w % emb_in.shape[0]
@@ -602,7 +665,7 @@ def _outputs(fbuf, dims, cf, invalid, temperature, log_visits, action_noise, out
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid = dims[5] != 0, dims[6] != 0
     edges, node_visits, value_sums, raw_values, _, _, _, _, _ = _float_views(fbuf, B, N, A, K)
-    root_gumbel, root_log_prior, _, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    root_gumbel, root_log_prior, _, _, _ = _root_views(fbuf, dims[10], B, N, A, K, n, gumbel)
     weights = out_f[: B * A].reshape((B, A))
     qvalues = out_f[B * A : 2 * B * A].reshape((B, A))
     root_value = out_f[2 * B * A : 2 * B * A + B]
@@ -777,49 +840,62 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-def _addresses(out: Any, nxt: Any, rows: int, A: int, rest: tuple | None, emb_dtype: Any) -> tuple | None:
+_TENSOR = torch.Tensor
+
+
+def _addresses(out: Any, nxt: Any, shapes: tuple, emb_dtype: Any, small: bool) -> tuple | None:
     """((prior, value, reward, discount, embedding) addresses, tensors to keep alive) for `_wave`, or None
     when the recurrent_fn output is not a RecurrentOutput of tensors of the expected shapes with a one-tensor
-    embedding (then the caller runs the full check). Checked on every wave: the compiled code reads these
-    by address and does no bounds checks. Outputs of other dtypes or layouts are copied to contiguous
-    float32 (the torch path's .float()); an embedding that is not a contiguous CPU tensor of the tree's dtype
-    gets address 0 and the caller writes it with torch."""
-    if type(out) is not RecurrentOutput or type(nxt) is not torch.Tensor or rest is None:
+    embedding (then the caller runs the full check). `shapes`: ([rows], [rows, A], [rows, ...] embedding).
+    Checked on every wave: the compiled code reads these by address and does no bounds checks. Outputs of
+    other dtypes or layouts are copied to contiguous float32 (the torch path's .float()); an embedding that
+    is not a contiguous CPU tensor of the tree's dtype gets address 0 and the caller writes it with torch.
+    `small`: the "prior" address is the logits' (the compiled softmax, `_softmax_rows`); else torch's
+    softmax of them."""
+    if type(out) is not RecurrentOutput or type(nxt) is not _TENSOR or emb_dtype is None:
         return None
     reward, discount, logits, value = out
-    r = (rows,)
-    for t in out:
-        if type(t) is not torch.Tensor:
-            return None
-    if reward.shape != r or discount.shape != r or value.shape != r or logits.shape != (rows, A):
+    if type(reward) is not _TENSOR or type(discount) is not _TENSOR or type(value) is not _TENSOR:
         return None
-    if nxt.shape != (rows, *rest):
+    if type(logits) is not _TENSOR:
         return None
-    for t in out:
-        if t.dtype is not _F32T or not t.is_cpu or not t.is_contiguous():
-            reward, discount, logits, value = _f32(reward), _f32(discount), _f32(logits), _f32(value)
-            break
-    prior = torch.softmax(logits, dim=-1)  # the torch path's softmax (vectorised; MuZero needs its bits)
+    r, ra, re = shapes
+    if reward.shape != r or discount.shape != r or value.shape != r or logits.shape != ra or nxt.shape != re:
+        return None
+    if not (
+        reward.dtype is _F32T and discount.dtype is _F32T and logits.dtype is _F32T and value.dtype is _F32T
+        and reward.is_cpu and discount.is_cpu and logits.is_cpu and value.is_cpu
+        and reward.is_contiguous() and discount.is_contiguous() and logits.is_contiguous()
+        and value.is_contiguous()
+    ):  # fmt: skip
+        reward, discount, logits, value = _f32(reward), _f32(discount), _f32(logits), _f32(value)
+    # The torch path's softmax (vectorised; MuZero needs its bits), or for small batches the compiled one
+    # (its bits are replaced by torch's at the end of the search, `_rewrite_priors`).
+    prior = logits if small else torch.softmax(logits, dim=-1)
     p_emb = nxt.data_ptr() if nxt.dtype is emb_dtype and nxt.is_cpu and nxt.is_contiguous() else 0
-    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), p_emb)
-    return ptrs, prior, value, reward, discount, nxt
+    return prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), p_emb, (
+        prior, value, reward, discount, nxt
+    )
 
 
-def _converted(out: RecurrentOutput) -> tuple:
+def _converted(out: RecurrentOutput, small: bool) -> tuple:
     """`_addresses` for an output that passed the full check but not `_addresses`' shape test (a pytree
     embedding): float32 contiguous copies, the embedding written by the caller (address 0)."""
     logits = _f32(out.prior_logits)
-    prior = torch.softmax(logits, dim=-1)
+    prior = logits if small else torch.softmax(logits, dim=-1)
     value, reward, discount = _f32(out.value), _f32(out.reward), _f32(out.discount)
-    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), 0)
-    return ptrs, prior, value, reward, discount
+    return prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), 0, (
+        prior, value, reward, discount
+    )
 
 
 _CONSTANTS: dict[tuple, np.ndarray] = {}
+SMALL_ROWS = 16
+"""Searches of at most this many rows per wave (B * K) take the compiled per-wave softmax."""
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple:
+def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool, small: bool) -> tuple:
     """(tree field views (name, buffer 0 = float / 1 = int, start, stop, shape), tree float and int sizes,
     working float and int sizes) of a search shape."""
     views = []
@@ -832,7 +908,7 @@ def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple:
                 views.append((name, i, o, o + size, shape))
             o += size
         sizes.append(o)
-    work_i, work_f = _work_sizes(B, N, A, K, n, gumbel)
+    work_i, work_f = _work_sizes(B, N, A, K, n, gumbel, small)
     return tuple(views), sizes[0], sizes[1], work_f, work_i
 
 
@@ -925,13 +1001,16 @@ def run_search(
 
     # The tree and the search's working arrays: two flat buffers, fresh per search (the output keeps the
     # tree, and searches in other threads have their own), the tree's tensors views of their heads.
-    views, tree_f, tree_i, work_f, work_i = _layout(B, N, A, K, n, gumbel)
+    fast = isinstance(embedding, torch.Tensor) and embedding.dtype in _FAST_EMBEDDINGS
+    # Small batches (one root, a few): each wave's prior softmax compiled (torch's costs ~1 us a call),
+    # the tree's priors rewritten from one torch softmax of every wave's logits at the end.
+    small = fast and K * B <= SMALL_ROWS
+    views, tree_f, tree_i, work_f, work_i = _layout(B, N, A, K, n, gumbel, small)
     fbuf = np.zeros(tree_f + work_f, np.float32)
     ibuf = np.empty(tree_i + work_i, np.int64)
     ibuf[:tree_i] = UNVISITED
     bufs = (fbuf, ibuf)
     fields = {name: torch.from_numpy(bufs[i][a:b].reshape(shape)) for name, i, a, b, shape in views}
-    fast = isinstance(embedding, torch.Tensor) and embedding.dtype in _FAST_EMBEDDINGS
     if fast:
         rest = tuple(embedding.shape[1:])
         D = math.prod(rest)
@@ -952,7 +1031,11 @@ def run_search(
         emb_nodes, root_emb = _DUMMY_F3, _DUMMY_F2
         emb_in, per_search, emb_views = _DUMMY_F3, True, ()
     tree = Tree(embeddings=tree_embeddings, **fields)
-    dims = _dims(B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i)
+    small_at = tree_f + _small_offset(B, N, A, n, gumbel) if small else 0
+    dims = _dims(
+        B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i,
+        small_at,
+    )  # fmt: skip
     cf = _constants(n, K, config)
     _init_search(
         fbuf, ibuf, dims, _np(prior), dirichlet, mix, _np(value), root_noise, gumbel_scale,
@@ -965,6 +1048,8 @@ def run_search(
     act_views = torch.from_numpy(ibuf[o + K * B : o + K * B + W * K * B].reshape(W, K * B)).unbind(0)
     p_prior = p_value = p_reward = p_discount = p_emb = 0
     emb_dtype = embedding.dtype if fast else None
+    shapes = ((K * B,), (K * B, A), (K * B, *rest)) if fast else None
+    kw = K
     for w in range(W + 1):
         if not per_search and w < W:
             emb_in = np.empty((1, K * B, D), root_emb.dtype)
@@ -972,7 +1057,10 @@ def run_search(
         _wave(fbuf, ibuf, dims, cf, inv, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
         if w == W:
             break
-        kw = min(K, n - w * K)
+        if n - w * K < K:  # the last wave, partial
+            kw = n - w * K
+            if fast:
+                shapes = ((kw * B,), (kw * B, A), (kw * B, *rest))
         rows = kw * B
         action = act_views[w] if kw == K else act_views[w][:rows]
         if fast:
@@ -984,13 +1072,16 @@ def run_search(
             parent_embedding = tree_map(lambda t, fp=fp: t.flatten(0, 1).index_select(0, fp), tree_embeddings)
         out, next_embedding = recurrent_fn(action, parent_embedding)
         # `held` keeps every tensor whose address _wave reads alive until that call.
-        held = _addresses(out, next_embedding, rows, A, rest, emb_dtype)
+        held = _addresses(out, next_embedding, shapes, emb_dtype, small)
         if held is None:  # a pytree embedding, or a bad output: the full check (it raises for the latter)
             check_recurrent(out, next_embedding, rows, A, tree_embeddings)
-            held = _converted(out)
-        p_prior, p_value, p_reward, p_discount, p_emb = held[0]
+            held = _converted(out, small)
+        p_prior, p_value, p_reward, p_discount, p_emb, _ = held
         if p_emb == 0:
             _write_embeddings(tree_embeddings, 1 + w * K, kw, next_embedding)
+    if small:  # the tree's priors: torch's softmax of every wave's logits (the torch path's bits)
+        store = torch.from_numpy(fbuf[small_at : small_at + W * K * B * A].reshape(W * K * B, A))
+        _rewrite_priors(fbuf, dims, torch.softmax(store, dim=-1).numpy())
 
     log_visits, action_noise, temperature = _DUMMY_F2, _DUMMY_F2, _ZERO
     if not gumbel and config.temperature != 0:
