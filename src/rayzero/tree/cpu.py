@@ -406,6 +406,7 @@ else:  # pragma: no cover - only the torch path runs without numba
 
 
 _C = 5  # tree.EDGE_CHANNELS
+_NDIMS = 16  # length of the shape and flag vector (`_dims`)
 
 
 def float_layout(B: int, N: int, A: int, K: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -523,14 +524,26 @@ def _root_views(fbuf, o, B, N, A, K, n, gumbel):
 
 @_jit
 def _init_search(
-    fbuf, ibuf, dims, prior, dirichlet, mix, root_value, root_noise, gumbel_scale, log_prior, table,
+    fbuf, ibuf, dims, cf, prior, dirichlet, mix, root_value, root_noise, gumbel_scale, log_prior, table,
     invalid, emb_nodes, root_emb,
 ):  # fmt: skip
     """search._init_root on the flat buffers: the root priors (mixed with the Dirichlet sample when
     mix[0] is set: mix[1] * prior + mix[2] * dirichlet, the torch path's float32 operations), one visit,
-    the root value and embedding, the min/max bounds and the Gumbel root inputs."""
+    the root value and embedding, the min/max bounds and the Gumbel root inputs. Also copies dims, cf and
+    the mask into the buffers' tails, where `_wave` reads them (fewer arguments per wave call)."""
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid, D, m = dims[5] != 0, dims[6] != 0, dims[7], dims[9]
+    tail_dims = _at(ibuf, ibuf.shape[0] - _NDIMS, (_NDIMS,))
+    for i in range(_NDIMS):
+        tail_dims[i] = dims[i]
+    tail_cf = _at(fbuf, fbuf.shape[0] - dims[13], (dims[13],))
+    for i in range(dims[13]):
+        tail_cf[i] = cf[i]
+    if has_invalid:
+        tail_inv = _at(ibuf, dims[14], (B, A))
+        for b in range(B):
+            for a in range(A):
+                tail_inv[b, a] = 1 if invalid[b, a] else 0
     edges, node_visits, value_sums, raw_values, _, _, value_min, value_max, _ = _float_views(fbuf, B, N, A, K)
     root_gumbel, root_log_prior, considered, _, _ = _root_views(fbuf, dims[10], B, N, A, K, n, gumbel)
     for b in range(B):
@@ -597,13 +610,16 @@ def _rewrite_priors(fbuf, dims, prior_all):
 
 
 @_jit
-def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount,
-          p_emb):  # fmt: skip
+def _wave(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb):
     """One call per simulation wave: expand and back up wave w - 1 from its recurrent_fn outputs (given
     as addresses of float32 CPU tensors; p_emb = 0: the embeddings were written by the caller), then walk
-    wave w and gather its leaves' parent embeddings into emb_in (dims[7] > 0)."""
+    wave w and gather its leaves' parent embeddings into emb_in (dims[7] > 0). dims, cf and the mask are
+    in the buffers' tails (`_init_search`)."""
+    dims = _at(ibuf, ibuf.shape[0] - _NDIMS, (_NDIMS,))
+    cf = _at(fbuf, fbuf.shape[0] - dims[13], (dims[13],))
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid, D, W = dims[5] != 0, dims[6] != 0, dims[7], dims[8]
+    invalid = _at(ibuf, dims[14], (B, A) if has_invalid else (1, 1))
     edges, node_visits, value_sums, raw_values, rewards, discounts, value_min, value_max, vv = _float_views(
         fbuf, B, N, A, K
     )
@@ -909,6 +925,9 @@ def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool, small: bool) -
             o += size
         sizes.append(o)
     work_i, work_f = _work_sizes(B, N, A, K, n, gumbel, small)
+    # Tails: the PUCT constants (n + K + 4 floats), the mask as int64 [B, A] and the dims vector.
+    work_f += n + K + 4
+    work_i += B * A + _NDIMS
     return tuple(views), sizes[0], sizes[1], work_f, work_i
 
 
@@ -920,8 +939,8 @@ def _dims_cached(*values: int) -> np.ndarray:
 
 
 def _dims(*values: Any) -> np.ndarray:
-    """The int64 shape and flag vector the kernels read (cached, read-only)."""
-    return _dims_cached(*(int(v) for v in values))
+    """The int64 shape and flag vector the kernels read (cached, read-only; _NDIMS long)."""
+    return _dims_cached(*(int(v) for v in values), *(0,) * (_NDIMS - len(values)))
 
 
 def _constants(n: int, K: int, config: Any) -> np.ndarray:
@@ -1032,13 +1051,15 @@ def run_search(
         emb_in, per_search, emb_views = _DUMMY_F3, True, ()
     tree = Tree(embeddings=tree_embeddings, **fields)
     small_at = tree_f + _small_offset(B, N, A, n, gumbel) if small else 0
+    cf = _constants(n, K, config)
+    if len(cf) > n + K + 4:  # the float tail `_layout` keeps for it
+        raise AssertionError(f"PUCT table of {len(cf)} floats for n={n}, K={K}")
     dims = _dims(
         B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i,
-        small_at,
+        small_at, len(cf), tree_i + work_i - _NDIMS - B * A,
     )  # fmt: skip
-    cf = _constants(n, K, config)
     _init_search(
-        fbuf, ibuf, dims, _np(prior), dirichlet, mix, _np(value), root_noise, gumbel_scale,
+        fbuf, ibuf, dims, cf, _np(prior), dirichlet, mix, _np(value), root_noise, gumbel_scale,
         log_prior, table, inv, emb_nodes, root_emb,
     )  # fmt: skip
 
@@ -1054,7 +1075,7 @@ def run_search(
         if not per_search and w < W:
             emb_in = np.empty((1, K * B, D), root_emb.dtype)
             emb_views = (torch.from_numpy(emb_in.reshape(1, K * B, *rest))[0],)
-        _wave(fbuf, ibuf, dims, cf, inv, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
+        _wave(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
         if w == W:
             break
         if n - w * K < K:  # the last wave, partial
