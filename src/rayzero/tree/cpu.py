@@ -795,37 +795,49 @@ _EMPTY_NP = np.empty(0, np.float32)
 
 
 def sample_gumbel(shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
-    """noise.sample_gumbel's draw and bits (-log(-log(U))): torch's rand and logs, the clamp and the
-    negations compiled."""
+    """noise.sample_gumbel's draw and bits (-log(-log(U))): torch's rand and logs (in place: the same
+    elementwise kernel on the same shape), the clamp and the negations compiled."""
     u = torch.rand(shape, generator=generator)
-    _clamp_tiny(u.numpy())
-    t = torch.log(u)
-    _negate(t.numpy())
-    t = torch.log(t)
-    _negate(t.numpy())
-    return t
+    un = u.numpy()
+    _clamp_tiny(un)
+    u.log_()
+    _negate(un)
+    u.log_()
+    _negate(un)
+    return u
 
 
-def sample_log_gamma(alpha: float, shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
-    """noise.sample_log_gamma's draws and bits: torch's randn, rand and logs on the same shapes; the float32
-    arithmetic between them compiled."""
-    from rayzero.tree.noise import GAMMA_PROPOSALS
-
+@functools.lru_cache(maxsize=16)
+def _gamma_constants(alpha: float) -> tuple:
+    """(c, d, log d, alpha) of Marsaglia-Tsang as float32 (noise.sample_log_gamma's Python floats, which
+    torch rounds to float32 in its float32 arithmetic), and whether alpha < 1."""
     a = alpha + 1.0 if alpha < 1.0 else alpha
     d = a - 1.0 / 3.0
     c = 1.0 / math.sqrt(9.0 * d)
-    x = torch.randn((GAMMA_PROPOSALS, *shape), generator=generator)
-    u = torch.rand((GAMMA_PROPOSALS, *shape), generator=generator)
-    u_small = torch.rand(shape, generator=generator) if alpha < 1.0 else _EMPTY_T
-    xs = x.numpy()
+    return _F32(c), _F32(d), _F32(math.log(d)), _F32(alpha), alpha < 1.0
+
+
+def sample_log_gamma(alpha: float, shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
+    """noise.sample_log_gamma's draws and bits: torch's randn, rand and logs on the same shapes (the logs
+    in place, the same elementwise kernel); the float32 arithmetic between them compiled."""
+    from rayzero.tree.noise import GAMMA_PROPOSALS
+
+    c, d, log_d, alpha32, small_alpha = _gamma_constants(alpha)
+    full = (GAMMA_PROPOSALS, *shape)
+    x = torch.randn(full, generator=generator)
+    u = torch.rand(full, generator=generator)
+    u_small = torch.rand(shape, generator=generator) if small_alpha else _EMPTY_T
+    xs, un, usn = x.numpy(), u.numpy(), u_small.numpy()
     v = np.empty(xs.shape, np.float32)
-    v_pos = torch.empty(xs.shape)
-    _gamma_proposals(xs, u.numpy(), u_small.numpy(), _F32(c), v, v_pos.numpy())
-    log_u = torch.log(u)
-    log_v = torch.log(v_pos)
-    log_u_small = torch.log(u_small).numpy() if alpha < 1.0 else _EMPTY_NP
+    vp = np.empty(xs.shape, np.float32)
+    v_pos = torch.from_numpy(vp)
+    _gamma_proposals(xs, un, usn, c, v, vp)
+    u.log_()
+    v_pos.log_()
+    if small_alpha:
+        u_small.log_()
     out = np.empty(shape, np.float32)
-    _gamma_accept(xs, v, log_u.numpy(), log_v.numpy(), _F32(d), _F32(math.log(d)), log_u_small, _F32(alpha), out)
+    _gamma_accept(xs, v, un, vp, d, log_d, usn if small_alpha else _EMPTY_NP, alpha32, out)
     return torch.from_numpy(out)
 
 
@@ -1071,7 +1083,58 @@ def run_search(
     emb_dtype = embedding.dtype if fast else None
     shapes = ((K * B,), (K * B, A), (K * B, *rest)) if fast else None
     kw = K
-    for w in range(W + 1):
+    if fast and per_search:  # the common case, a one-tensor embedding: a lean loop, same steps as below
+        acts, embs = list(act_views), list(emb_views)
+        wl = W - 1 if n % K else -1  # a last, partial wave
+        if wl >= 0:
+            kl = n - wl * K
+            acts[wl], embs[wl] = acts[wl][: kl * B], embs[wl][: kl * B]
+        r, ra, re = shapes
+        one = K * B == 1  # a [1] tensor is contiguous whatever its stride
+        RO, T, F = RecurrentOutput, _TENSOR, _F32T
+        for w in range(W):
+            _wave(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
+            if w == wl:
+                kw = kl
+                r, ra, re = (kw * B,), (kw * B, A), (kw * B, *rest)
+                one = kw * B == 1
+            out, nxt = recurrent_fn(acts[w], embs[w])
+            # The locals below keep every tensor whose address _wave reads alive until that call.
+            ok = False
+            if type(out) is RO and type(nxt) is T:
+                reward, discount, logits, value = out
+                try:
+                    ok = (
+                        reward.shape == r and discount.shape == r and value.shape == r and logits.shape == ra
+                        and nxt.shape == re
+                        and reward.dtype is F and discount.dtype is F and logits.dtype is F and value.dtype is F
+                    )  # fmt: skip
+                except AttributeError:  # not tensors: the full check below raises
+                    pass
+                if ok and not (
+                    reward.is_cpu and discount.is_cpu and logits.is_cpu and value.is_cpu
+                    and logits.is_contiguous()
+                    and (one or (reward.is_contiguous() and discount.is_contiguous() and value.is_contiguous()))
+                ):  # fmt: skip
+                    ok = False
+            if ok:
+                if small:
+                    p_prior = logits.data_ptr()
+                else:
+                    prior = torch.softmax(logits, dim=-1)  # the torch path's softmax (MuZero's bits)
+                    p_prior = prior.data_ptr()
+                p_value, p_reward, p_discount = value.data_ptr(), reward.data_ptr(), discount.data_ptr()
+            else:  # other dtypes or layouts (converted), or a bad output (the full check raises)
+                held = _addresses(out, nxt, (r, ra, re), emb_dtype, small)
+                if held is None:
+                    check_recurrent(out, nxt, kw * B, A, tree_embeddings)
+                    held = _converted(out, small)
+                p_prior, p_value, p_reward, p_discount, _, _ = held
+            p_emb = nxt.data_ptr() if nxt.dtype is emb_dtype and nxt.is_cpu and nxt.is_contiguous() else 0
+            if p_emb == 0:
+                _write_embeddings(tree_embeddings, 1 + w * K, kw, nxt)
+        _wave(fbuf, ibuf, emb_nodes, emb_in, W, p_prior, p_value, p_reward, p_discount, p_emb)
+    for w in range(W + 1 if not (fast and per_search) else 0):
         if not per_search and w < W:
             emb_in = np.empty((1, K * B, D), root_emb.dtype)
             emb_views = (torch.from_numpy(emb_in.reshape(1, K * B, *rest))[0],)
