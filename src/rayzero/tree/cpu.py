@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from rayzero.tree.base import RecurrentOutput, SearchOutput
+from rayzero.tree.noise import GAMMA_PROPOSALS
 from rayzero.tree.tree import (
     DISCOUNT,
     NO_PARENT,
@@ -820,8 +821,6 @@ def _gamma_constants(alpha: float) -> tuple:
 def sample_log_gamma(alpha: float, shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
     """noise.sample_log_gamma's draws and bits: torch's randn, rand and logs on the same shapes (the logs
     in place, the same elementwise kernel); the float32 arithmetic between them compiled."""
-    from rayzero.tree.noise import GAMMA_PROPOSALS
-
     c, d, log_d, alpha32, small_alpha = _gamma_constants(alpha)
     full = (GAMMA_PROPOSALS, *shape)
     x = torch.randn(full, generator=generator)
@@ -917,6 +916,25 @@ def _converted(out: RecurrentOutput, small: bool) -> tuple:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _considered_table(m: int, n: int) -> np.ndarray:
+    """seq_halving.considered_visits_table on the CPU, as numpy (read-only)."""
+    from rayzero.tree.seq_halving import considered_visits_table
+
+    table = considered_visits_table(m, n, _CPU).numpy()
+    table.flags.writeable = False
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _mix(f: float) -> np.ndarray:
+    """[1, 1 - f, f] float32: the Dirichlet mix of `_init_search` (read-only)."""
+    mix = np.array([1.0, 1.0 - f, f], np.float32)
+    mix.flags.writeable = False
+    return mix
+
+
+_CPU = torch.device("cpu")
 _CONSTANTS: dict[tuple, np.ndarray] = {}
 SMALL_ROWS = 16
 """Searches of at most this many rows per wave (B * K) take the compiled per-wave softmax."""
@@ -950,9 +968,9 @@ def _dims_cached(*values: int) -> np.ndarray:
     return dims
 
 
-def _dims(*values: Any) -> np.ndarray:
-    """The int64 shape and flag vector the kernels read (cached, read-only; _NDIMS long)."""
-    return _dims_cached(*(int(v) for v in values), *(0,) * (_NDIMS - len(values)))
+def _dims(*values: int) -> np.ndarray:
+    """The int64 shape and flag vector the kernels read (cached, read-only; _NDIMS long; ints and bools)."""
+    return _dims_cached(*values, *(0,) * (_NDIMS - len(values)))
 
 
 def _constants(n: int, K: int, config: Any) -> np.ndarray:
@@ -995,7 +1013,7 @@ def run_search(
     Torch work per search is the random draws, the logs and softmaxes the torch path computes (so MuZero
     gets its bits) and the tensors handed out; per wave, `recurrent_fn` and (MuZero) the prior softmax.
     """
-    cpu_dev = torch.device("cpu")
+    cpu_dev = _CPU
     B, A = logits.shape
     N = n + 1
     W = -(-n // K)
@@ -1014,11 +1032,8 @@ def run_search(
         if invalid is not None:
             lg = lg.masked_fill(invalid, float("-inf"))
         dirichlet = _np(torch.softmax(lg, dim=-1))
-        f = config.dirichlet_fraction
-        mix = np.array([1.0, 1.0 - f, f], np.float32)
+        mix = _mix(config.dirichlet_fraction)
     if gumbel:
-        from rayzero.tree.seq_halving import considered_visits_table
-
         log_prior = _np(torch.log_softmax(masked, dim=-1))
         if config.gumbel_scale > 0:
             g = noise.root if noise is not None and noise.root is not None else None
@@ -1027,7 +1042,7 @@ def run_search(
             check_noise("noise.root", g, B, A, cpu_dev)
             root_noise = _np(g)
             gumbel_scale = _F32(config.gumbel_scale)
-        table = considered_visits_table(config.max_num_considered_actions, n, cpu_dev).numpy()
+        table = _considered_table(config.max_num_considered_actions, n)
     inv = invalid.contiguous().numpy() if invalid is not None else _DUMMY_B2
 
     # The tree and the search's working arrays: two flat buffers, fresh per search (the output keeps the
