@@ -534,6 +534,8 @@ def _init_search(
     the mask into the buffers' tails, where `_wave` reads them (fewer arguments per wave call)."""
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid, D, m = dims[5] != 0, dims[6] != 0, dims[7], dims[9]
+    for i in range(dims[11]):  # the tree's int fields: parents, actions from parents, children
+        ibuf[i] = UNVISITED
     tail_dims = _at(ibuf, ibuf.shape[0] - _NDIMS, (_NDIMS,))
     for i in range(_NDIMS):
         tail_dims[i] = dims[i]
@@ -1053,8 +1055,7 @@ def run_search(
     small = fast and K * B <= SMALL_ROWS
     views, tree_f, tree_i, work_f, work_i = _layout(B, N, A, K, n, gumbel, small)
     fbuf = np.zeros(tree_f + work_f, np.float32)
-    ibuf = np.empty(tree_i + work_i, np.int64)
-    ibuf[:tree_i] = UNVISITED
+    ibuf = np.empty(tree_i + work_i, np.int64)  # the tree's part filled with UNVISITED by _init_search
     bufs = (fbuf, ibuf)
     fields = {name: torch.from_numpy(bufs[i][a:b].reshape(shape)) for name, i, a, b, shape in views}
     if fast:
