@@ -18,7 +18,8 @@ overhead of a fake network. Median of several searches after a warm-up (numba's 
 timed separately as compile_s). Each row also reports the time spent inside recurrent_fn, and "tree-only"
 simulations/s without it (what LightZero's tree-only figure measures). --quick: B in {1, 16}, 10 simulations.
 
-Run: `python -m rayzero.bench.tree [--quick] [--cpu-only] [--json PATH]` (or `rayzero bench tree`).
+Run: `python -m rayzero.bench.tree [--quick] [--cpu-only] [--json PATH]` (or `rayzero bench tree`); a subset
+of the CPU rows: `--nets table --batches 1,256 --modes numba`.
 """
 
 from __future__ import annotations
