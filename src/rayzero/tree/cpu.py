@@ -4,7 +4,15 @@ compiled call and one `recurrent_fn` call per wave. Python keeps only what must 
 draws, the logs and softmaxes whose bits the torch path defines (so MuZero trees are bit-identical to it;
 Gumbel ones equal within float tolerance), the `recurrent_fn` call and the tensors handed out. The tree
 lives in two flat buffers per search (its tensors are views of them) so a wave call takes few arguments, and
-recurrent outputs are read by address, not through a numpy view per tensor.
+recurrent outputs are read by address, not through a numpy view per tensor. Inside the kernels, views of the
+buffers are made from their addresses (`_at`): numba's slices count references atomically, per view and call.
+
+Small batches (B * K <= SMALL_ROWS, one-tensor embeddings): each wave's prior softmax is compiled (torch's is
+~1 us a call, most of a one-root wave's glue) and selection uses it; at the end the tree's priors are
+rewritten from torch's softmax of every wave's logits at once (a row's bits do not depend on the other rows),
+so the returned tree still holds the torch path's priors. Compiled and torch softmax differ by an ulp or so,
+which changes a decision only on a near-tie of two scores: visit counts equal the torch path's on every search
+test, floats within fp tolerance where a tie was broken otherwise.
 
 Why numba: pip wheels for every platform and no compiler at install time (a C++ extension needs one, or a
 wheel per platform), native loops over numpy arrays, an on-disk cache so only a machine's first process
