@@ -10,9 +10,9 @@ buffers are made from their addresses (`_at`): numba's slices count references a
 Small batches (B * K <= SMALL_ROWS, one-tensor embeddings): each wave's prior softmax is compiled (torch's is
 ~1 us a call, most of a one-root wave's glue) and selection uses it; at the end the tree's priors are
 rewritten from torch's softmax of every wave's logits at once (a row's bits do not depend on the other rows),
-so the returned tree still holds the torch path's priors. Compiled and torch softmax differ by an ulp or so,
-which changes a decision only on a near-tie of two scores: visit counts equal the torch path's on every search
-test, floats within fp tolerance where a tie was broken otherwise.
+so the returned tree still holds the torch path's priors. The compiled softmax can differ from torch's in the
+last bits, which could change a decision only where two scores tie to within that: results are then within fp
+tolerance of the torch path, not bit for bit (no such tie occurs in the tests, which ask for equal trees).
 
 Why numba: pip wheels for every platform and no compiler at install time (a C++ extension needs one, or a
 wheel per platform), native loops over numpy arrays, an on-disk cache so only a machine's first process
