@@ -93,8 +93,7 @@ def _identity(fn: Any) -> Any:
 
 # error_model="numpy": float division by zero gives inf/nan as in torch instead of raising.
 _jit = njit(cache=True, nogil=True, error_model="numpy") if _NUMBA else _identity
-# Inlined into their callers at numba's IR level (the views of the flat buffers): no call and no reference
-# counting of the arrays passed and returned.
+# Inlined into their callers at numba's IR level (small helpers: the views of the flat buffers, the softmax).
 _jit_inline = njit(cache=True, nogil=True, error_model="numpy", inline="always") if _NUMBA else _identity
 
 
@@ -481,8 +480,8 @@ def _int_views(ibuf, B, N, A):
 
 def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool, small: bool) -> tuple[int, int]:
     """Lengths of the int64 and float32 working parts after the tree's fields (`_path_views` plus every
-    wave's actions, `_root_views` plus the selection's score scratch of A floats; with `small`, every
-    wave's logits and one wave's compiled softmax, `_small_views`)."""
+    wave's actions, `_root_views` plus the selection's score scratch of A floats; with `small`, from
+    `_small_offset` on, every wave's logits and one wave's compiled softmax)."""
     W = -(-n // K)
     si = 2 * K * B * N + 4 * K * B + W * K * B
     sf = _small_offset(B, N, A, n, gumbel) + ((W + 1) * K * B * A if small else 0)
@@ -490,7 +489,7 @@ def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool, small: boo
 
 
 def _small_offset(B: int, N: int, A: int, n: int, gumbel: bool) -> int:
-    """Where `_small_views` start in the float working part."""
+    """Where the small-batch logits store starts in the float working part (then one wave's softmax)."""
     return 2 * B * A + B * n + (B * N * A if gumbel else 1) + A
 
 
