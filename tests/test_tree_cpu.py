@@ -334,3 +334,48 @@ def test_roots_that_require_grad():
         b = search(grad_root, fn, 12, SearchConfig(cpu_backend="numba", **cfg),
                    generator=torch.Generator().manual_seed(1))  # fmt: skip
         assert_same_search(a, b, exact_floats=policy == "muzero")
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("B", [1, 4])
+@pytest.mark.parametrize("policy", ["muzero", "gumbel"])
+def test_small_batches_compiled_softmax(policy, B, seed, monkeypatch):
+    """B * K <= cpu.SMALL_ROWS: each wave's prior softmax runs compiled and the tree's priors are rewritten
+    from torch's softmax of every wave's logits at the end. With masks, root noise and temperature
+    sampling: the torch path's visit counts, actions and action weights; MuZero's whole tree bit for bit,
+    Gumbel's within fp tolerance. With the rewrite switched off, the compiled priors themselves are within
+    fp tolerance of torch's and lead to the same visit counts."""
+    A, n = 18, 50
+    calls = []
+    real = cpu._rewrite_priors
+    monkeypatch.setattr(cpu, "_rewrite_priors", lambda *args: calls.append(1) or real(*args))
+    cfg = {"policy": policy, "temperature": 1.0}
+    if policy == "gumbel":
+        cfg["max_num_considered_actions"] = 8
+    root, fn, invalid = random_root(B, A, 10 + seed), random_model(A), random_invalid(B, A, seed)
+    a, b = both(root, fn, n, invalid, seed, **cfg)
+    assert calls == [1]  # the small-batch path ran (once, for the numba search)
+    assert torch.equal(a.visit_counts, b.visit_counts)
+    assert torch.equal(a.action, b.action)
+    torch.testing.assert_close(a.action_weights, b.action_weights)
+    assert_same_search(a, b, exact_floats=policy == "muzero")
+
+    monkeypatch.setattr(cpu, "_rewrite_priors", lambda *args: None)  # keep the compiled priors
+    c = search(root, fn, n, SearchConfig(cpu_backend="numba", **cfg), invalid, torch.Generator().manual_seed(seed))
+    assert torch.equal(a.visit_counts, c.visit_counts)
+    torch.testing.assert_close(a.action_weights, c.action_weights)
+    expanded = a.tree.node_visits > 0
+    torch.testing.assert_close(c.tree.edges[expanded], a.tree.edges[expanded], rtol=1e-6, atol=1e-7)
+
+
+def test_small_batch_threshold(monkeypatch):
+    """Only searches of at most cpu.SMALL_ROWS rows per wave (B * virtual_loss) take the compiled softmax."""
+    calls = []
+    real = cpu._rewrite_priors
+    monkeypatch.setattr(cpu, "_rewrite_priors", lambda *args: calls.append(1) or real(*args))
+    A = 5
+    for B, K, small in ((cpu.SMALL_ROWS, 1, True), (cpu.SMALL_ROWS + 1, 1, False), (4, 4, True), (4, 5, False)):
+        calls.clear()
+        a, b = both(random_root(B, A, 1), random_model(A), 12, random_invalid(B, A, 1), 1, virtual_loss=K)
+        assert calls == ([1] if small else [])
+        assert_same_search(a, b)

@@ -18,7 +18,8 @@ overhead of a fake network. Median of several searches after a warm-up (numba's 
 timed separately as compile_s). Each row also reports the time spent inside recurrent_fn, and "tree-only"
 simulations/s without it (what LightZero's tree-only figure measures). --quick: B in {1, 16}, 10 simulations.
 
-Run: `python -m rayzero.bench.tree [--quick] [--cpu-only] [--json PATH]` (or `rayzero bench tree`).
+Run: `python -m rayzero.bench.tree [--quick] [--cpu-only] [--json PATH]` (or `rayzero bench tree`); a subset
+of the CPU rows: `--nets table --batches 1,256 --modes numba`.
 """
 
 from __future__ import annotations
@@ -199,7 +200,9 @@ def bench_ours(
 
 CPU_BATCHES = (1, 32, 64, 256, 1024)
 # The compiled tree's entry points that run_search calls from Python (timed as "compiled calls").
-COMPILED_CALLS = ("_init_search", "_wave", "_outputs", "_clamp_tiny", "_negate", "_gamma_proposals", "_gamma_accept")
+COMPILED_CALLS = (
+    "_init_search", "_wave", "_outputs", "_rewrite_priors", "_clamp_tiny", "_negate", "_gamma_proposals", "_gamma_accept",
+)  # fmt: skip
 CPU_MODES = ("numba", "torch")
 CPU_NETS = ("none", "table")
 
@@ -279,11 +282,16 @@ def bench_cpu(
     return row
 
 
-def cpu_rows(quick: bool, nets: tuple[str, ...] = CPU_NETS) -> tuple[list[dict[str, Any]], list[str]]:
-    """The CPU rows (numba and torch, one core); restores torch's thread count afterwards."""
+def cpu_rows(
+    quick: bool, nets: tuple[str, ...] = CPU_NETS, batches: tuple[int, ...] | None = None,
+    modes: tuple[str, ...] = CPU_MODES,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The CPU rows (numba and torch, one core); restores torch's thread count afterwards. `batches`,
+    `modes`: a subset of the rows (default: all)."""
     from rayzero.tree import cpu
 
-    batches, n = ((1, 16), 10) if quick else (CPU_BATCHES, 50)
+    all_batches, n = ((1, 16), 10) if quick else (CPU_BATCHES, 50)
+    batches = batches or all_batches
     reps, budget = (3, 2.0) if quick else (15, 3.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -293,7 +301,7 @@ def cpu_rows(quick: bool, nets: tuple[str, ...] = CPU_NETS) -> tuple[list[dict[s
         for net in nets:
             for policy in ("muzero", "gumbel"):
                 for B in batches:
-                    for mode in CPU_MODES:
+                    for mode in modes:
                         if mode == "numba" and not cpu.numba_importable():
                             errors.append("numba not importable: no cpu-numba rows")
                             continue
@@ -518,9 +526,13 @@ def _plan(quick: bool, cuda: bool) -> tuple[list[tuple], list[tuple]]:
     return ours, theirs
 
 
-def main(quick: bool = False, json_path: str | None = None, cpu_only: bool = False) -> dict[str, Any]:
+def main(
+    quick: bool = False, json_path: str | None = None, cpu_only: bool = False,
+    nets: tuple[str, ...] = CPU_NETS, batches: tuple[int, ...] | None = None, modes: tuple[str, ...] = CPU_MODES,
+) -> dict[str, Any]:
     """Run the benchmark, print a table, write JSON to json_path (if given); returns the report.
-    cpu_only: only the CPU rows (compiled tree against the torch path, one core)."""
+    cpu_only: only the CPU rows (compiled tree against the torch path, one core); nets, batches, modes: a
+    subset of the CPU rows."""
     load_before = os.getloadavg()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -535,7 +547,7 @@ def main(quick: bool = False, json_path: str | None = None, cpu_only: bool = Fal
             _print_row(rows[-1])
         except Exception as err:  # noqa: BLE001 - keep going: report what failed
             errors.append(f"rayzero {net} {p} B={B} n={n} {m}: {type(err).__name__}: {err}")
-    cpu, cpu_errors = cpu_rows(quick)
+    cpu, cpu_errors = cpu_rows(quick, nets, batches, modes)
     rows.extend(cpu)
     errors.extend(cpu_errors)
     if cpu_only:
@@ -643,5 +655,11 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU rows (compiled tree vs torch path)")
+    parser.add_argument("--nets", default=",".join(CPU_NETS), help="CPU rows: recurrent_fns (none,table)")
+    parser.add_argument("--batches", default="", help="CPU rows: batch sizes, e.g. 1,256 (default: all)")
+    parser.add_argument("--modes", default=",".join(CPU_MODES), help="CPU rows: numba,torch")
     args = parser.parse_args()
-    main(quick=args.quick, json_path=args.json, cpu_only=args.cpu_only)
+    main(
+        quick=args.quick, json_path=args.json, cpu_only=args.cpu_only, nets=tuple(args.nets.split(",")),
+        batches=tuple(int(b) for b in args.batches.split(",") if b), modes=tuple(args.modes.split(",")),
+    )

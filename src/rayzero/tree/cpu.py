@@ -4,7 +4,15 @@ compiled call and one `recurrent_fn` call per wave. Python keeps only what must 
 draws, the logs and softmaxes whose bits the torch path defines (so MuZero trees are bit-identical to it;
 Gumbel ones equal within float tolerance), the `recurrent_fn` call and the tensors handed out. The tree
 lives in two flat buffers per search (its tensors are views of them) so a wave call takes few arguments, and
-recurrent outputs are read by address, not through a numpy view per tensor.
+recurrent outputs are read by address, not through a numpy view per tensor. Inside the kernels, views of the
+buffers are made from their addresses (`_at`): numba's slices count references atomically, per view and call.
+
+Small batches (B * K <= SMALL_ROWS, one-tensor embeddings): each wave's prior softmax is compiled (torch's is
+~1 us a call, most of a one-root wave's glue) and selection uses it; at the end the tree's priors are
+rewritten from torch's softmax of every wave's logits at once (a row's bits do not depend on the other rows),
+so the returned tree still holds the torch path's priors. The compiled softmax can differ from torch's in the
+last bits, which could change a decision only where two scores tie to within that: results are then within fp
+tolerance of the torch path, not bit for bit (no such tie occurs in the tests, which ask for equal trees).
 
 Why numba: pip wheels for every platform and no compiler at install time (a C++ extension needs one, or a
 wheel per platform), native loops over numpy arrays, an on-disk cache so only a machine's first process
@@ -25,6 +33,7 @@ import numpy as np
 import torch
 
 from rayzero.tree.base import RecurrentOutput, SearchOutput
+from rayzero.tree.noise import GAMMA_PROPOSALS
 from rayzero.tree.tree import (
     DISCOUNT,
     NO_PARENT,
@@ -84,6 +93,8 @@ def _identity(fn: Any) -> Any:
 
 # error_model="numpy": float division by zero gives inf/nan as in torch instead of raising.
 _jit = njit(cache=True, nogil=True, error_model="numpy") if _NUMBA else _identity
+# Inlined into their callers at numba's IR level (small helpers: the views of the flat buffers, the softmax).
+_jit_inline = njit(cache=True, nogil=True, error_model="numpy", inline="always") if _NUMBA else _identity
 
 
 @_jit
@@ -217,12 +228,12 @@ def _select_wave(
     dup,  # out [Kw, B] bool walk ended on an edge an earlier walk of this wave claimed
     flat_parent,  # out [Kw * B] i64 (k-major) leaf parent's index in the [B * N] node views
     leaf_action,  # out [Kw * B] i64 (k-major) action of the leaf edge
+    score,  # scratch [A] f32
 ):
     B, N = node_visits.shape
     A = children.shape[2]
     L = path_nodes.shape[2]
     use_vv = num_walks > 1
-    score = np.empty(A, dtype=np.float32)
     for b in range(B):
         # qtransforms.minmax_bounds: min/max only change in the backup, so once per tree and wave.
         spread = value_max[b] - value_min[b]
@@ -403,6 +414,7 @@ else:  # pragma: no cover - only the torch path runs without numba
 
 
 _C = 5  # tree.EDGE_CHANNELS
+_NDIMS = 16  # length of the shape and flag vector (`_dims`)
 
 
 def float_layout(B: int, N: int, A: int, K: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -425,97 +437,125 @@ def int_layout(B: int, N: int, A: int) -> list[tuple[str, tuple[int, ...]]]:
     return [("parents", (B, N)), ("action_from_parent", (B, N)), ("children_index", (B, N, A))]
 
 
-@_jit
+@_jit_inline
+def _at(buf, o, shape):
+    """View of buf[o : o + prod(shape)] as `shape`, made from its address: an array without a reference
+    count (numba's slices and reshapes of a buffer count references atomically, per view and wave)."""
+    return carray(_pointer_like(buf.ctypes.data + o * buf.itemsize, buf), shape)
+
+
+@_jit_inline
 def _float_views(fbuf, B, N, A, K):
     o = 0
-    edges = fbuf[o : o + B * N * _C * A].reshape((B, N, _C, A))
+    edges = _at(fbuf, o, (B, N, _C, A))
     o += B * N * _C * A
-    node_visits = fbuf[o : o + B * N].reshape((B, N))
+    node_visits = _at(fbuf, o, (B, N))
     o += B * N
-    value_sums = fbuf[o : o + B * N].reshape((B, N))
+    value_sums = _at(fbuf, o, (B, N))
     o += B * N
-    raw_values = fbuf[o : o + B * N].reshape((B, N))
+    raw_values = _at(fbuf, o, (B, N))
     o += B * N
-    rewards = fbuf[o : o + B * N].reshape((B, N))
+    rewards = _at(fbuf, o, (B, N))
     o += B * N
-    discounts = fbuf[o : o + B * N].reshape((B, N))
+    discounts = _at(fbuf, o, (B, N))
     o += B * N
-    value_min = fbuf[o : o + B]
+    value_min = _at(fbuf, o, (B,))
     o += B
-    value_max = fbuf[o : o + B]
+    value_max = _at(fbuf, o, (B,))
     o += B
     if K > 1:
-        vv = fbuf[o : o + B * N * A].reshape((B, N, A))
+        vv = _at(fbuf, o, (B, N, A))
     else:
-        vv = fbuf[o : o + 1].reshape((1, 1, 1))
+        vv = _at(fbuf, o, (1, 1, 1))
     return edges, node_visits, value_sums, raw_values, rewards, discounts, value_min, value_max, vv
 
 
-@_jit
+@_jit_inline
 def _int_views(ibuf, B, N, A):
-    parents = ibuf[0 : B * N].reshape((B, N))
-    action_from_parent = ibuf[B * N : 2 * B * N].reshape((B, N))
-    children = ibuf[2 * B * N : 2 * B * N + B * N * A].reshape((B, N, A))
+    parents = _at(ibuf, 0, (B, N))
+    action_from_parent = _at(ibuf, B * N, (B, N))
+    children = _at(ibuf, 2 * B * N, (B, N, A))
     return parents, action_from_parent, children
 
 
-def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple[int, int]:
+def _work_sizes(B: int, N: int, A: int, K: int, n: int, gumbel: bool, small: bool) -> tuple[int, int]:
     """Lengths of the int64 and float32 working parts after the tree's fields (`_path_views` plus every
-    wave's actions, `_root_views`)."""
+    wave's actions, `_root_views` plus the selection's score scratch of A floats; with `small`, from
+    `_small_offset` on, every wave's logits and one wave's compiled softmax)."""
     W = -(-n // K)
     si = 2 * K * B * N + 4 * K * B + W * K * B
-    sf = 2 * B * A + B * n + (B * N * A if gumbel else 1)
+    sf = _small_offset(B, N, A, n, gumbel) + ((W + 1) * K * B * A if small else 0)
     return si, sf
 
 
-@_jit
-def _path_views(si, B, N, K, n):
-    o = 0
-    path_nodes = si[o : o + K * B * N].reshape((K, B, N))
+def _small_offset(B: int, N: int, A: int, n: int, gumbel: bool) -> int:
+    """Where the small-batch logits store starts in the float working part (then one wave's softmax)."""
+    return 2 * B * A + B * n + (B * N * A if gumbel else 1) + A
+
+
+@_jit_inline
+def _path_views(ibuf, o, B, N, K, n):
+    path_nodes = _at(ibuf, o, (K, B, N))
     o += K * B * N
-    path_actions = si[o : o + K * B * N].reshape((K, B, N))
+    path_actions = _at(ibuf, o, (K, B, N))
     o += K * B * N
-    depth = si[o : o + K * B].reshape((K, B))
+    depth = _at(ibuf, o, (K, B))
     o += K * B
-    leaf = si[o : o + K * B].reshape((K, B))
+    leaf = _at(ibuf, o, (K, B))
     o += K * B
-    dup = si[o : o + K * B].reshape((K, B))
+    dup = _at(ibuf, o, (K, B))
     o += K * B
-    flat_parent = si[o : o + K * B]
+    flat_parent = _at(ibuf, o, (K * B,))
     o += K * B
     W = -(-n // K)
-    act_all = si[o : o + W * K * B].reshape((W, K * B))  # every wave's actions (recurrent_fn's inputs)
+    act_all = _at(ibuf, o, (W, K * B))  # every wave's actions (recurrent_fn's inputs)
     return path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all
 
 
-@_jit
-def _root_views(sf, B, N, A, K, n, gumbel):
-    o = 0
-    root_gumbel = sf[o : o + B * A].reshape((B, A))
+@_jit_inline
+def _root_views(fbuf, o, B, N, A, K, n, gumbel):
+    root_gumbel = _at(fbuf, o, (B, A))
     o += B * A
-    root_log_prior = sf[o : o + B * A].reshape((B, A))
+    root_log_prior = _at(fbuf, o, (B, A))
     o += B * A
-    considered = sf[o : o + B * n].reshape((B, n))
+    considered = _at(fbuf, o, (B, n))
     o += B * n
     if gumbel:
-        log_priors = sf[o : o + B * N * A].reshape((B, N, A))
+        log_priors = _at(fbuf, o, (B, N, A))
+        o += B * N * A
     else:
-        log_priors = sf[o : o + 1].reshape((1, 1, 1))
-    return root_gumbel, root_log_prior, considered, log_priors
+        log_priors = _at(fbuf, o, (1, 1, 1))
+        o += 1
+    score = _at(fbuf, o, (A,))  # the selection's scratch
+    return root_gumbel, root_log_prior, considered, log_priors, score
 
 
 @_jit
 def _init_search(
-    fbuf, ibuf, dims, prior, dirichlet, mix, root_value, root_noise, gumbel_scale, log_prior, table,
+    fbuf, ibuf, dims, cf, prior, dirichlet, mix, root_value, root_noise, gumbel_scale, log_prior, table,
     invalid, emb_nodes, root_emb,
 ):  # fmt: skip
     """search._init_root on the flat buffers: the root priors (mixed with the Dirichlet sample when
     mix[0] is set: mix[1] * prior + mix[2] * dirichlet, the torch path's float32 operations), one visit,
-    the root value and embedding, the min/max bounds and the Gumbel root inputs."""
+    the root value and embedding, the min/max bounds and the Gumbel root inputs. Also copies dims, cf and
+    the mask into the buffers' tails, where `_wave` reads them (fewer arguments per wave call)."""
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid, D, m = dims[5] != 0, dims[6] != 0, dims[7], dims[9]
+    for i in range(dims[11]):  # the tree's int fields: parents, actions from parents, children
+        ibuf[i] = UNVISITED
+    tail_dims = _at(ibuf, ibuf.shape[0] - _NDIMS, (_NDIMS,))
+    for i in range(_NDIMS):
+        tail_dims[i] = dims[i]
+    tail_cf = _at(fbuf, fbuf.shape[0] - dims[13], (dims[13],))
+    for i in range(dims[13]):
+        tail_cf[i] = cf[i]
+    if has_invalid:
+        tail_inv = _at(ibuf, dims[14], (B, A))
+        for b in range(B):
+            for a in range(A):
+                tail_inv[b, a] = 1 if invalid[b, a] else 0
     edges, node_visits, value_sums, raw_values, _, _, value_min, value_max, _ = _float_views(fbuf, B, N, A, K)
-    root_gumbel, root_log_prior, considered, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    root_gumbel, root_log_prior, considered, _, _ = _root_views(fbuf, dims[10], B, N, A, K, n, gumbel)
     for b in range(B):
         value_min[b] = _INF
         value_max[b] = _NEG_INF
@@ -541,20 +581,63 @@ def _init_search(
             emb_nodes[b, 0, j] = root_emb[b, j]
 
 
+@_jit_inline
+def _softmax_rows(logits, store, prior):
+    """prior = softmax(logits) row by row (float32, torch's steps: max, exp of the differences, times the
+    reciprocal of their sum); the logits are copied into store."""
+    rows, A = logits.shape
+    for i in range(rows):
+        top = _NEG_INF
+        for a in range(A):
+            x = logits[i, a]
+            store[i, a] = x
+            if x > top or x != x:
+                top = x
+        total = _ZERO
+        for a in range(A):
+            e = np.exp(logits[i, a] - top)
+            prior[i, a] = e
+            total += e
+        inv = _ONE / total
+        for a in range(A):
+            prior[i, a] = prior[i, a] * inv
+
+
 @_jit
-def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount,
-          p_emb):  # fmt: skip
+def _rewrite_priors(fbuf, dims, prior_all):
+    """Small batches: every expanded node's priors from torch's softmax of all waves' logits at once
+    (prior_all [W * K * B, A]), so the returned tree holds the torch path's bits."""
+    B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
+    W = dims[8]
+    edges = _at(fbuf, 0, (B, N, _C, A))
+    for pw in range(W):
+        kw = min(K, n - pw * K)
+        for k in range(kw):
+            for b in range(B):
+                row = pw * K * B + k * B + b
+                for a in range(A):
+                    edges[b, 1 + pw * K + k, PRIOR, a] = prior_all[row, a]
+
+
+@_jit
+def _wave(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb):
     """One call per simulation wave: expand and back up wave w - 1 from its recurrent_fn outputs (given
     as addresses of float32 CPU tensors; p_emb = 0: the embeddings were written by the caller), then walk
-    wave w and gather its leaves' parent embeddings into emb_in (dims[7] > 0)."""
+    wave w and gather its leaves' parent embeddings into emb_in (dims[7] > 0). dims, cf and the mask are
+    in the buffers' tails (`_init_search`)."""
+    dims = _at(ibuf, ibuf.shape[0] - _NDIMS, (_NDIMS,))
+    cf = _at(fbuf, fbuf.shape[0] - dims[13], (dims[13],))
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid, D, W = dims[5] != 0, dims[6] != 0, dims[7], dims[8]
+    invalid = _at(ibuf, dims[14], (B, A) if has_invalid else (1, 1))
     edges, node_visits, value_sums, raw_values, rewards, discounts, value_min, value_max, vv = _float_views(
         fbuf, B, N, A, K
     )
     parents, action_from_parent, children = _int_views(ibuf, B, N, A)
-    path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all = _path_views(ibuf[dims[11] :], B, N, K, n)
-    root_gumbel, root_log_prior, considered, log_priors = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    path_nodes, path_actions, depth, leaf, dup, flat_parent, act_all = _path_views(ibuf, dims[11], B, N, K, n)
+    root_gumbel, root_log_prior, considered, log_priors, score = _root_views(
+        fbuf, dims[10], B, N, A, K, n, gumbel
+    )
     if w > 0:
         pw = w - 1
         first = 1 + pw * K
@@ -563,7 +646,13 @@ def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value,
         value = carray(_pointer_like(p_value, fbuf), (rows,))
         reward = carray(_pointer_like(p_reward, fbuf), (rows,))
         discount = carray(_pointer_like(p_discount, fbuf), (rows,))
-        prior = carray(_pointer_like(p_prior, fbuf), (rows, A))  # torch's softmax: the torch path's bits
+        if dims[12] != 0:  # small batch: p_prior holds the logits; the compiled softmax, logits kept
+            logits = carray(_pointer_like(p_prior, fbuf), (rows, A))
+            store = _at(fbuf, dims[12] + pw * K * B * A, (rows, A))
+            prior = _at(fbuf, dims[12] + W * K * B * A, (rows, A))
+            _softmax_rows(logits, store, prior)
+        else:
+            prior = carray(_pointer_like(p_prior, fbuf), (rows, A))  # torch's softmax: the torch path's bits
         if p_emb != 0:
             nxt = carray(_pointer_like(p_emb, emb_nodes), (rows, D))
             for k in range(kw):
@@ -584,7 +673,7 @@ def _wave(fbuf, ibuf, dims, cf, invalid, emb_nodes, emb_in, w, p_prior, p_value,
             edges, node_visits, value_sums, raw_values, log_priors, children, vv, cf[2:], value_min,
             value_max, invalid, has_invalid, gumbel, root_gumbel, root_log_prior, considered, w, cf[0],
             cf[1], first, kw, path_nodes[:kw], path_actions[:kw], depth[:kw], leaf[:kw], dup[:kw],
-            flat_parent[:rows], act_all[w, :rows],
+            flat_parent[:rows], act_all[w, :rows], score,
         )  # fmt: skip
         if D > 0:
             e = w % emb_in.shape[0]
@@ -602,7 +691,7 @@ def _outputs(fbuf, dims, cf, invalid, temperature, log_visits, action_noise, out
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
     gumbel, has_invalid = dims[5] != 0, dims[6] != 0
     edges, node_visits, value_sums, raw_values, _, _, _, _, _ = _float_views(fbuf, B, N, A, K)
-    root_gumbel, root_log_prior, _, _ = _root_views(fbuf[dims[10] :], B, N, A, K, n, gumbel)
+    root_gumbel, root_log_prior, _, _, _ = _root_views(fbuf, dims[10], B, N, A, K, n, gumbel)
     weights = out_f[: B * A].reshape((B, A))
     qvalues = out_f[B * A : 2 * B * A].reshape((B, A))
     root_value = out_f[2 * B * A : 2 * B * A + B]
@@ -716,37 +805,47 @@ _EMPTY_NP = np.empty(0, np.float32)
 
 
 def sample_gumbel(shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
-    """noise.sample_gumbel's draw and bits (-log(-log(U))): torch's rand and logs, the clamp and the
-    negations compiled."""
+    """noise.sample_gumbel's draw and bits (-log(-log(U))): torch's rand and logs (in place: the same
+    elementwise kernel on the same shape), the clamp and the negations compiled."""
     u = torch.rand(shape, generator=generator)
-    _clamp_tiny(u.numpy())
-    t = torch.log(u)
-    _negate(t.numpy())
-    t = torch.log(t)
-    _negate(t.numpy())
-    return t
+    un = u.numpy()
+    _clamp_tiny(un)
+    u.log_()
+    _negate(un)
+    u.log_()
+    _negate(un)
+    return u
 
 
-def sample_log_gamma(alpha: float, shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
-    """noise.sample_log_gamma's draws and bits: torch's randn, rand and logs on the same shapes; the float32
-    arithmetic between them compiled."""
-    from rayzero.tree.noise import GAMMA_PROPOSALS
-
+@functools.lru_cache(maxsize=16)
+def _gamma_constants(alpha: float) -> tuple:
+    """(c, d, log d, alpha) of Marsaglia-Tsang as float32 (noise.sample_log_gamma's Python floats, which
+    torch rounds to float32 in its float32 arithmetic), and whether alpha < 1."""
     a = alpha + 1.0 if alpha < 1.0 else alpha
     d = a - 1.0 / 3.0
     c = 1.0 / math.sqrt(9.0 * d)
-    x = torch.randn((GAMMA_PROPOSALS, *shape), generator=generator)
-    u = torch.rand((GAMMA_PROPOSALS, *shape), generator=generator)
-    u_small = torch.rand(shape, generator=generator) if alpha < 1.0 else _EMPTY_T
-    xs = x.numpy()
+    return _F32(c), _F32(d), _F32(math.log(d)), _F32(alpha), alpha < 1.0
+
+
+def sample_log_gamma(alpha: float, shape: tuple[int, int], generator: torch.Generator | None) -> torch.Tensor:
+    """noise.sample_log_gamma's draws and bits: torch's randn, rand and logs on the same shapes (the logs
+    in place, the same elementwise kernel); the float32 arithmetic between them compiled."""
+    c, d, log_d, alpha32, small_alpha = _gamma_constants(alpha)
+    full = (GAMMA_PROPOSALS, *shape)
+    x = torch.randn(full, generator=generator)
+    u = torch.rand(full, generator=generator)
+    u_small = torch.rand(shape, generator=generator) if small_alpha else _EMPTY_T
+    xs, un, usn = x.numpy(), u.numpy(), u_small.numpy()
     v = np.empty(xs.shape, np.float32)
-    v_pos = torch.empty(xs.shape)
-    _gamma_proposals(xs, u.numpy(), u_small.numpy(), _F32(c), v, v_pos.numpy())
-    log_u = torch.log(u)
-    log_v = torch.log(v_pos)
-    log_u_small = torch.log(u_small).numpy() if alpha < 1.0 else _EMPTY_NP
+    vp = np.empty(xs.shape, np.float32)
+    v_pos = torch.from_numpy(vp)
+    _gamma_proposals(xs, un, usn, c, v, vp)
+    u.log_()
+    v_pos.log_()
+    if small_alpha:
+        u_small.log_()
     out = np.empty(shape, np.float32)
-    _gamma_accept(xs, v, log_u.numpy(), log_v.numpy(), _F32(d), _F32(math.log(d)), log_u_small, _F32(alpha), out)
+    _gamma_accept(xs, v, un, vp, d, log_d, usn if small_alpha else _EMPTY_NP, alpha32, out)
     return torch.from_numpy(out)
 
 
@@ -777,49 +876,81 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-def _addresses(out: Any, nxt: Any, rows: int, A: int, rest: tuple | None, emb_dtype: Any) -> tuple | None:
+_TENSOR = torch.Tensor
+
+
+def _addresses(out: Any, nxt: Any, shapes: tuple, emb_dtype: Any, small: bool) -> tuple | None:
     """((prior, value, reward, discount, embedding) addresses, tensors to keep alive) for `_wave`, or None
     when the recurrent_fn output is not a RecurrentOutput of tensors of the expected shapes with a one-tensor
-    embedding (then the caller runs the full check). Checked on every wave: the compiled code reads these
-    by address and does no bounds checks. Outputs of other dtypes or layouts are copied to contiguous
-    float32 (the torch path's .float()); an embedding that is not a contiguous CPU tensor of the tree's dtype
-    gets address 0 and the caller writes it with torch."""
-    if type(out) is not RecurrentOutput or type(nxt) is not torch.Tensor or rest is None:
+    embedding (then the caller runs the full check). `shapes`: ([rows], [rows, A], [rows, ...] embedding).
+    Checked on every wave: the compiled code reads these by address and does no bounds checks. Outputs of
+    other dtypes or layouts are copied to contiguous float32 (the torch path's .float()); an embedding that
+    is not a contiguous CPU tensor of the tree's dtype gets address 0 and the caller writes it with torch.
+    `small`: the "prior" address is the logits' (the compiled softmax, `_softmax_rows`); else torch's
+    softmax of them."""
+    if type(out) is not RecurrentOutput or type(nxt) is not _TENSOR or emb_dtype is None:
         return None
     reward, discount, logits, value = out
-    r = (rows,)
-    for t in out:
-        if type(t) is not torch.Tensor:
-            return None
-    if reward.shape != r or discount.shape != r or value.shape != r or logits.shape != (rows, A):
+    if type(reward) is not _TENSOR or type(discount) is not _TENSOR or type(value) is not _TENSOR:
         return None
-    if nxt.shape != (rows, *rest):
+    if type(logits) is not _TENSOR:
         return None
-    for t in out:
-        if t.dtype is not _F32T or not t.is_cpu or not t.is_contiguous():
-            reward, discount, logits, value = _f32(reward), _f32(discount), _f32(logits), _f32(value)
-            break
-    prior = torch.softmax(logits, dim=-1)  # the torch path's softmax (vectorised; MuZero needs its bits)
+    r, ra, re = shapes
+    if reward.shape != r or discount.shape != r or value.shape != r or logits.shape != ra or nxt.shape != re:
+        return None
+    if not (
+        reward.dtype is _F32T and discount.dtype is _F32T and logits.dtype is _F32T and value.dtype is _F32T
+        and reward.is_cpu and discount.is_cpu and logits.is_cpu and value.is_cpu
+        and reward.is_contiguous() and discount.is_contiguous() and logits.is_contiguous()
+        and value.is_contiguous()
+    ):  # fmt: skip
+        reward, discount, logits, value = _f32(reward), _f32(discount), _f32(logits), _f32(value)
+    # The torch path's softmax (vectorised; MuZero needs its bits), or for small batches the compiled one
+    # (its bits are replaced by torch's at the end of the search, `_rewrite_priors`).
+    prior = logits if small else torch.softmax(logits, dim=-1)
     p_emb = nxt.data_ptr() if nxt.dtype is emb_dtype and nxt.is_cpu and nxt.is_contiguous() else 0
-    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), p_emb)
-    return ptrs, prior, value, reward, discount, nxt
+    return prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), p_emb, (
+        prior, value, reward, discount, nxt
+    )
 
 
-def _converted(out: RecurrentOutput) -> tuple:
+def _converted(out: RecurrentOutput, small: bool) -> tuple:
     """`_addresses` for an output that passed the full check but not `_addresses`' shape test (a pytree
     embedding): float32 contiguous copies, the embedding written by the caller (address 0)."""
     logits = _f32(out.prior_logits)
-    prior = torch.softmax(logits, dim=-1)
+    prior = logits if small else torch.softmax(logits, dim=-1)
     value, reward, discount = _f32(out.value), _f32(out.reward), _f32(out.discount)
-    ptrs = (prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), 0)
-    return ptrs, prior, value, reward, discount
-
-
-_CONSTANTS: dict[tuple, np.ndarray] = {}
+    return prior.data_ptr(), value.data_ptr(), reward.data_ptr(), discount.data_ptr(), 0, (
+        prior, value, reward, discount
+    )
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple:
+def _considered_table(m: int, n: int) -> np.ndarray:
+    """seq_halving.considered_visits_table on the CPU, as numpy (read-only)."""
+    from rayzero.tree.seq_halving import considered_visits_table
+
+    table = considered_visits_table(m, n, _CPU).numpy()
+    table.flags.writeable = False
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _mix(f: float) -> np.ndarray:
+    """[1, 1 - f, f] float32: the Dirichlet mix of `_init_search` (read-only)."""
+    mix = np.array([1.0, 1.0 - f, f], np.float32)
+    mix.flags.writeable = False
+    return mix
+
+
+_CPU = torch.device("cpu")
+_CONSTANTS: dict[tuple, np.ndarray] = {}
+SMALL_ROWS = 16
+"""Searches of at most this many rows per wave (B * K) take the compiled per-wave softmax."""
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool, small: bool) -> tuple:
     """(tree field views (name, buffer 0 = float / 1 = int, start, stop, shape), tree float and int sizes,
     working float and int sizes) of a search shape."""
     views = []
@@ -832,7 +963,10 @@ def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool) -> tuple:
                 views.append((name, i, o, o + size, shape))
             o += size
         sizes.append(o)
-    work_i, work_f = _work_sizes(B, N, A, K, n, gumbel)
+    work_i, work_f = _work_sizes(B, N, A, K, n, gumbel, small)
+    # Tails: the PUCT constants (n + K + 4 floats), the mask as int64 [B, A] and the dims vector.
+    work_f += n + K + 4
+    work_i += B * A + _NDIMS
     return tuple(views), sizes[0], sizes[1], work_f, work_i
 
 
@@ -843,9 +977,9 @@ def _dims_cached(*values: int) -> np.ndarray:
     return dims
 
 
-def _dims(*values: Any) -> np.ndarray:
-    """The int64 shape and flag vector the kernels read (cached, read-only)."""
-    return _dims_cached(*(int(v) for v in values))
+def _dims(*values: int) -> np.ndarray:
+    """The int64 shape and flag vector the kernels read (cached, read-only; _NDIMS long; ints and bools)."""
+    return _dims_cached(*values, *(0,) * (_NDIMS - len(values)))
 
 
 def _constants(n: int, K: int, config: Any) -> np.ndarray:
@@ -888,7 +1022,7 @@ def run_search(
     Torch work per search is the random draws, the logs and softmaxes the torch path computes (so MuZero
     gets its bits) and the tensors handed out; per wave, `recurrent_fn` and (MuZero) the prior softmax.
     """
-    cpu_dev = torch.device("cpu")
+    cpu_dev = _CPU
     B, A = logits.shape
     N = n + 1
     W = -(-n // K)
@@ -907,11 +1041,8 @@ def run_search(
         if invalid is not None:
             lg = lg.masked_fill(invalid, float("-inf"))
         dirichlet = _np(torch.softmax(lg, dim=-1))
-        f = config.dirichlet_fraction
-        mix = np.array([1.0, 1.0 - f, f], np.float32)
+        mix = _mix(config.dirichlet_fraction)
     if gumbel:
-        from rayzero.tree.seq_halving import considered_visits_table
-
         log_prior = _np(torch.log_softmax(masked, dim=-1))
         if config.gumbel_scale > 0:
             g = noise.root if noise is not None and noise.root is not None else None
@@ -920,18 +1051,20 @@ def run_search(
             check_noise("noise.root", g, B, A, cpu_dev)
             root_noise = _np(g)
             gumbel_scale = _F32(config.gumbel_scale)
-        table = considered_visits_table(config.max_num_considered_actions, n, cpu_dev).numpy()
+        table = _considered_table(config.max_num_considered_actions, n)
     inv = invalid.contiguous().numpy() if invalid is not None else _DUMMY_B2
 
     # The tree and the search's working arrays: two flat buffers, fresh per search (the output keeps the
     # tree, and searches in other threads have their own), the tree's tensors views of their heads.
-    views, tree_f, tree_i, work_f, work_i = _layout(B, N, A, K, n, gumbel)
+    fast = isinstance(embedding, torch.Tensor) and embedding.dtype in _FAST_EMBEDDINGS
+    # Small batches (one root, a few): each wave's prior softmax compiled (torch's costs ~1 us a call),
+    # the tree's priors rewritten from one torch softmax of every wave's logits at the end.
+    small = fast and K * B <= SMALL_ROWS
+    views, tree_f, tree_i, work_f, work_i = _layout(B, N, A, K, n, gumbel, small)
     fbuf = np.zeros(tree_f + work_f, np.float32)
-    ibuf = np.empty(tree_i + work_i, np.int64)
-    ibuf[:tree_i] = UNVISITED
+    ibuf = np.empty(tree_i + work_i, np.int64)  # the tree's part filled with UNVISITED by _init_search
     bufs = (fbuf, ibuf)
     fields = {name: torch.from_numpy(bufs[i][a:b].reshape(shape)) for name, i, a, b, shape in views}
-    fast = isinstance(embedding, torch.Tensor) and embedding.dtype in _FAST_EMBEDDINGS
     if fast:
         rest = tuple(embedding.shape[1:])
         D = math.prod(rest)
@@ -952,10 +1085,16 @@ def run_search(
         emb_nodes, root_emb = _DUMMY_F3, _DUMMY_F2
         emb_in, per_search, emb_views = _DUMMY_F3, True, ()
     tree = Tree(embeddings=tree_embeddings, **fields)
-    dims = _dims(B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i)
+    small_at = tree_f + _small_offset(B, N, A, n, gumbel) if small else 0
     cf = _constants(n, K, config)
+    if len(cf) > n + K + 4:  # the float tail `_layout` keeps for it
+        raise AssertionError(f"PUCT table of {len(cf)} floats for n={n}, K={K}")
+    dims = _dims(
+        B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i,
+        small_at, len(cf), tree_i + work_i - _NDIMS - B * A,
+    )  # fmt: skip
     _init_search(
-        fbuf, ibuf, dims, _np(prior), dirichlet, mix, _np(value), root_noise, gumbel_scale,
+        fbuf, ibuf, dims, cf, _np(prior), dirichlet, mix, _np(value), root_noise, gumbel_scale,
         log_prior, table, inv, emb_nodes, root_emb,
     )  # fmt: skip
 
@@ -965,14 +1104,70 @@ def run_search(
     act_views = torch.from_numpy(ibuf[o + K * B : o + K * B + W * K * B].reshape(W, K * B)).unbind(0)
     p_prior = p_value = p_reward = p_discount = p_emb = 0
     emb_dtype = embedding.dtype if fast else None
-    for w in range(W + 1):
+    shapes = ((K * B,), (K * B, A), (K * B, *rest)) if fast else None
+    kw = K
+    if fast and per_search:  # the common case, a one-tensor embedding: a lean loop, same steps as below
+        acts, embs = list(act_views), list(emb_views)
+        wl = W - 1 if n % K else -1  # a last, partial wave
+        if wl >= 0:
+            kl = n - wl * K
+            acts[wl], embs[wl] = acts[wl][: kl * B], embs[wl][: kl * B]
+        r, ra, re = shapes
+        one = K * B == 1  # a [1] tensor is contiguous whatever its stride
+        RO, T, F = RecurrentOutput, _TENSOR, _F32T
+        for w in range(W):
+            _wave(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
+            if w == wl:
+                kw = kl
+                r, ra, re = (kw * B,), (kw * B, A), (kw * B, *rest)
+                one = kw * B == 1
+            out, nxt = recurrent_fn(acts[w], embs[w])
+            # The locals below keep every tensor whose address _wave reads alive until that call.
+            ok = False
+            if type(out) is RO and type(nxt) is T:
+                reward, discount, logits, value = out
+                try:
+                    ok = (
+                        reward.shape == r and discount.shape == r and value.shape == r and logits.shape == ra
+                        and nxt.shape == re
+                        and reward.dtype is F and discount.dtype is F and logits.dtype is F and value.dtype is F
+                    )  # fmt: skip
+                except AttributeError:  # not tensors: the full check below raises
+                    pass
+                if ok and not (
+                    reward.is_cpu and discount.is_cpu and logits.is_cpu and value.is_cpu
+                    and logits.is_contiguous()
+                    and (one or (reward.is_contiguous() and discount.is_contiguous() and value.is_contiguous()))
+                ):  # fmt: skip
+                    ok = False
+            if ok:
+                if small:
+                    p_prior = logits.data_ptr()
+                else:
+                    prior = torch.softmax(logits, dim=-1)  # the torch path's softmax (MuZero's bits)
+                    p_prior = prior.data_ptr()
+                p_value, p_reward, p_discount = value.data_ptr(), reward.data_ptr(), discount.data_ptr()
+            else:  # other dtypes or layouts (converted), or a bad output (the full check raises)
+                held = _addresses(out, nxt, (r, ra, re), emb_dtype, small)
+                if held is None:
+                    check_recurrent(out, nxt, kw * B, A, tree_embeddings)
+                    held = _converted(out, small)
+                p_prior, p_value, p_reward, p_discount, _, _ = held
+            p_emb = nxt.data_ptr() if nxt.dtype is emb_dtype and nxt.is_cpu and nxt.is_contiguous() else 0
+            if p_emb == 0:
+                _write_embeddings(tree_embeddings, 1 + w * K, kw, nxt)
+        _wave(fbuf, ibuf, emb_nodes, emb_in, W, p_prior, p_value, p_reward, p_discount, p_emb)
+    for w in range(W + 1 if not (fast and per_search) else 0):
         if not per_search and w < W:
             emb_in = np.empty((1, K * B, D), root_emb.dtype)
             emb_views = (torch.from_numpy(emb_in.reshape(1, K * B, *rest))[0],)
-        _wave(fbuf, ibuf, dims, cf, inv, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
+        _wave(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
         if w == W:
             break
-        kw = min(K, n - w * K)
+        if n - w * K < K:  # the last wave, partial
+            kw = n - w * K
+            if fast:
+                shapes = ((kw * B,), (kw * B, A), (kw * B, *rest))
         rows = kw * B
         action = act_views[w] if kw == K else act_views[w][:rows]
         if fast:
@@ -984,13 +1179,16 @@ def run_search(
             parent_embedding = tree_map(lambda t, fp=fp: t.flatten(0, 1).index_select(0, fp), tree_embeddings)
         out, next_embedding = recurrent_fn(action, parent_embedding)
         # `held` keeps every tensor whose address _wave reads alive until that call.
-        held = _addresses(out, next_embedding, rows, A, rest, emb_dtype)
+        held = _addresses(out, next_embedding, shapes, emb_dtype, small)
         if held is None:  # a pytree embedding, or a bad output: the full check (it raises for the latter)
             check_recurrent(out, next_embedding, rows, A, tree_embeddings)
-            held = _converted(out)
-        p_prior, p_value, p_reward, p_discount, p_emb = held[0]
+            held = _converted(out, small)
+        p_prior, p_value, p_reward, p_discount, p_emb, _ = held
         if p_emb == 0:
             _write_embeddings(tree_embeddings, 1 + w * K, kw, next_embedding)
+    if small:  # the tree's priors: torch's softmax of every wave's logits (the torch path's bits)
+        store = torch.from_numpy(fbuf[small_at : small_at + W * K * B * A].reshape(W * K * B, A))
+        _rewrite_priors(fbuf, dims, torch.softmax(store, dim=-1).numpy())
 
     log_visits, action_noise, temperature = _DUMMY_F2, _DUMMY_F2, _ZERO
     if not gumbel and config.temperature != 0:
