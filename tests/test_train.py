@@ -83,6 +83,15 @@ def test_atari_smoke_train_then_eval(tmp_path):
     result = rayzero("eval", "--checkpoint", str(run_dir), "--episodes", "1", "--max-steps", "30", "--gif", str(gif))
     assert "ALE/Pong-v5" in result.stdout
     assert gif.stat().st_size > 1000
+    # scripts/search_probe.py on the same checkpoint: without root noise its two searches of a root are the same.
+    probe = tmp_path / "probe.json"
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "scripts", "search_probe.py"),
+                    "--checkpoint", str(run_dir), "--envs", "2", "--steps", "4", "--every", "2", "--json", str(probe),
+                    "search.dirichlet_fraction=0"], check=True, capture_output=True, text=True, timeout=300)
+    report = json.loads(probe.read_text())
+    assert report["positions"] == 4
+    assert report["summary"]["same_argmax"] == 1.0 and report["summary"]["target_l1"] == 0.0
+    assert 0.0 <= report["summary"]["spread_share"] <= 1.0
 
 
 def test_sigterm_ends_the_run_cleanly(tmp_path):
