@@ -89,6 +89,25 @@ def test_evaluation_every_interval_once_the_learner_has_stepped():
     assert (EVAL, 0) in roles(schedule.next_calls(Counters(learner_steps=5), set(), [], now=70.0))
 
 
+def test_no_evaluation_starts_that_would_end_past_the_time_limit():
+    """A run ends within a minute of --time-limit: an evaluation as long as the last one that would end after the
+    limit is not started (the final evaluation plays the final weights at the limit instead)."""
+    rules = Rules(**{**RULES.__dict__, "eval_interval": 10.0, "time_limit": 100.0})
+    schedule = Schedule(rules, start=0.0)
+    stepped = Counters(learner_steps=5)
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=50.0))
+    schedule.evaluated(80.0)  # it took 30 s
+    assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=90.0))  # would end at 120
+    short = Schedule(rules, start=0.0)
+    assert (EVAL, 0) in roles(short.next_calls(stepped, set(), [], now=60.0))
+    short.evaluated(65.0)  # 5 s
+    assert (EVAL, 0) in roles(short.next_calls(stepped, set(), [], now=90.0))  # ends at 95
+    endless = Schedule(Rules(**{**RULES.__dict__, "eval_interval": 10.0}), start=0.0)  # no time limit
+    assert (EVAL, 0) in roles(endless.next_calls(stepped, set(), [], now=50.0))
+    endless.evaluated(80.0)
+    assert (EVAL, 0) in roles(endless.next_calls(stepped, set(), [], now=90.0))
+
+
 def test_ends_at_the_time_limit():
     rules = Rules(**{**RULES.__dict__, "time_limit": 60.0, "eval_interval": 1e6, "log_interval": 1e6})
     schedule = Schedule(rules, start=1000.0)

@@ -9,7 +9,8 @@ cluster (tests/test_schedule.py):
     step (on a GPU: a minute or two in its first call), self-play runs freely until that first call returns,
     and the ratio then counts from that point, so neither side starts out stalled;
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
-  * evaluation every `run.eval_interval` seconds once the learner has stepped;
+  * evaluation every `run.eval_interval` seconds once the learner has stepped, except one that the last
+    evaluation's duration says would end past the time limit (the final evaluation follows at the limit);
   * a role never has two calls in flight;
   * the run stops at the first limit reached (interrupt, time, env steps, learner steps).
 """
@@ -113,6 +114,8 @@ class Schedule:
         self.start = start
         now = start if now is None else now
         self.next_eval = now + rules.eval_interval
+        self.eval_started = 0.0
+        self.eval_seconds = 0.0  # how long the last evaluation took
         self.next_log = now + rules.log_interval
         interval = rules.checkpoint_interval
         self.next_checkpoint = (learner_steps // interval + 1) * interval
@@ -150,7 +153,9 @@ class Schedule:
             if ready and (REANALYSE, i) not in in_flight and counters.reanalysed < rules.reanalyse_fraction * samples:
                 calls.append(Call(REANALYSE, i, shard=self.reanalyse_calls % rules.num_shards))
                 self.reanalyse_calls += 1
-        if (EVAL, 0) not in in_flight and now >= self.next_eval and counters.learner_steps > 0:
+        if (EVAL, 0) not in in_flight and now >= self.next_eval and counters.learner_steps > 0 and \
+                not (rules.time_limit and now + self.eval_seconds > self.start + rules.time_limit):
+            self.eval_started = now
             calls.append(Call(EVAL))
         return calls
 
@@ -166,6 +171,7 @@ class Schedule:
 
     def evaluated(self, now: float) -> None:
         """An evaluation ended: the next one is due an interval later."""
+        self.eval_seconds = max(0.0, now - self.eval_started)
         self.next_eval = now + self.rules.eval_interval
 
     def log_due(self, now: float) -> bool:
