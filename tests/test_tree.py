@@ -253,6 +253,23 @@ def test_bandit_exact_visits_by_hand(cpu_backend):
     assert out.action_weights[0].tolist() == pytest.approx([1 / 8, 6 / 8, 1 / 8])
 
 
+def test_min_q_range_floor_stops_stretching_tiny_q_gaps(cpu_backend):
+    """MuZero's min-max normalisation is scale-free: the bandit of test_bandit_exact_visits_by_hand with its
+    rewards scaled by 1e-3 gets the same visits. With search.min_q_range = 0.01 (EfficientZero's floor) those
+    0.0008-wide gaps span only 8 % of [0, 1], so the uniform prior's exploration spreads the visits; a floor below
+    the tree's range changes nothing."""
+    root = RootOutput(torch.zeros(1, 3), torch.zeros(1), torch.zeros(1, 1))
+    n = 30
+    wide = search(root, bandit_fn([0.1, 0.9, 0.5], 3), n, SearchConfig(**NO_NOISE)).visit_counts[0].tolist()
+    tiny = bandit_fn([0.0001, 0.0009, 0.0005], 3)
+    assert search(root, tiny, n, SearchConfig(**NO_NOISE)).visit_counts[0].tolist() == wide
+    assert search(root, tiny, n, SearchConfig(min_q_range=1e-4, **NO_NOISE)).visit_counts[0].tolist() == wide
+    floored = search(root, tiny, n, SearchConfig(min_q_range=0.01, **NO_NOISE)).visit_counts[0].tolist()
+    assert sum(floored) == n and floored[1] < wide[1] - 5 and min(floored) >= 5, (wide, floored)
+    with pytest.raises(ValueError, match="search.min_q_range=-0.1 is invalid: must be >= 0"):
+        SearchConfig(min_q_range=-0.1)
+
+
 @pytest.mark.parametrize("policy", ["muzero", "gumbel"])
 def test_bandit_best_arm_most_visits(policy, cpu_backend):
     fn = bandit_fn([0.2, 0.1, 0.8, 0.5, 0.3], 5)

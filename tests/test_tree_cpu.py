@@ -111,6 +111,17 @@ def test_muzero_random_trees_bit_identical(seed, masked):
     assert_same_search(a, b)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_min_q_range_floor_bit_identical(seed):
+    """search.min_q_range (EfficientZero's floor on the min-max range) binds in most of these trees: the compiled
+    walk applies it as the torch path does, bit for bit."""
+    B, A, n = 16, 6, 40
+    a, b = both(random_root(B, A, seed), random_model(A), n, None, seed, temperature=1.0, min_q_range=1.5)
+    assert_same_search(a, b)
+    plain, _ = both(random_root(B, A, seed), random_model(A), n, None, seed, temperature=1.0)
+    assert not torch.equal(plain.visit_counts, a.visit_counts)  # the floor changed some searches
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("masked", [False, True])
 def test_gumbel_random_trees_match(seed, masked):

@@ -45,6 +45,8 @@ def _mlp_model(A: int, D: int, device: str, seed: int = 0):
 CONFIGS = [
     SearchConfig(policy="muzero", dirichlet_fraction=0.25, temperature=1.0),
     SearchConfig(policy="muzero", dirichlet_fraction=0.0, temperature=0.0),
+    # A floor above most trees' Q range (min_q_range binds): each backend must apply it the same way.
+    SearchConfig(policy="muzero", dirichlet_fraction=0.25, temperature=1.0, min_q_range=5.0),
     SearchConfig(policy="gumbel", gumbel_scale=1.0, max_num_considered_actions=8),
     SearchConfig(policy="gumbel", gumbel_scale=0.0, max_num_considered_actions=16),
 ]

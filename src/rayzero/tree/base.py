@@ -42,6 +42,10 @@ class SearchConfig:
     """Gumbel: sigma(q) = (maxvisit_init + max_n) * value_scale * q."""
     maxvisit_init: float = 50.0
     """Gumbel: see value_scale."""
+    min_q_range: float = 0.0
+    """MuZero: the smallest max - min Q range of a tree that normalises its Q values (a tree that spans less is
+    divided by this instead). EfficientZero and LightZero use 0.01, so that rounding-level Q differences in a
+    tree the values do not yet tell apart are not stretched to [0, 1]; 0 = MuZero's and mctx's rule."""
     virtual_loss: int = 1
     """Simulations per tree per wave (K); K > 1 applies virtual loss so the K paths differ."""
     max_nodes: int = 0
@@ -68,6 +72,7 @@ class SearchConfig:
             ("temperature", self.temperature >= 0, ">= 0"),
             ("max_num_considered_actions", self.max_num_considered_actions >= 1, ">= 1"),
             ("gumbel_scale", self.gumbel_scale >= 0, ">= 0"),
+            ("min_q_range", self.min_q_range >= 0, ">= 0 (0 = no floor)"),
             ("virtual_loss", self.virtual_loss >= 1, ">= 1"),
             ("max_nodes", self.max_nodes >= 0, ">= 0"),
             ("device", self.device in ("auto", "gpu", "cpu"), "'auto', 'gpu' or 'cpu'"),

@@ -219,6 +219,7 @@ def _select_wave(
     sim,  # simulation index of the wave (gumbel schedule column)
     maxvisit_init,  # f32
     value_scale,  # f32
+    min_range,  # f32 floor of the min-max range (search.min_q_range)
     first,  # index of the first node this wave creates
     num_walks,  # walks per tree in this wave (Kw); > 1 = virtual loss
     path_nodes,  # out [Kw, B, L] i64
@@ -239,6 +240,7 @@ def _select_wave(
         spread = value_max[b] - value_min[b]
         if spread > _ZERO:
             low = value_min[b]
+            spread = max(spread, min_range)
         else:
             low = _ZERO
             spread = _INF
@@ -670,9 +672,9 @@ def _wave(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discou
         kw = min(K, n - w * K)
         rows = kw * B
         _select_wave(
-            edges, node_visits, value_sums, raw_values, log_priors, children, vv, cf[2:], value_min,
+            edges, node_visits, value_sums, raw_values, log_priors, children, vv, cf[3:], value_min,
             value_max, invalid, has_invalid, gumbel, root_gumbel, root_log_prior, considered, w, cf[0],
-            cf[1], first, kw, path_nodes[:kw], path_actions[:kw], depth[:kw], leaf[:kw], dup[:kw],
+            cf[1], cf[2], first, kw, path_nodes[:kw], path_actions[:kw], depth[:kw], leaf[:kw], dup[:kw],
             flat_parent[:rows], act_all[w, :rows], score,
         )  # fmt: skip
         if D > 0:
@@ -964,8 +966,8 @@ def _layout(B: int, N: int, A: int, K: int, n: int, gumbel: bool, small: bool) -
             o += size
         sizes.append(o)
     work_i, work_f = _work_sizes(B, N, A, K, n, gumbel, small)
-    # Tails: the PUCT constants (n + K + 4 floats), the mask as int64 [B, A] and the dims vector.
-    work_f += n + K + 4
+    # Tails: the PUCT constants (n + K + 5 floats), the mask as int64 [B, A] and the dims vector.
+    work_f += n + K + 5
     work_i += B * A + _NDIMS
     return tuple(views), sizes[0], sizes[1], work_f, work_i
 
@@ -983,14 +985,14 @@ def _dims(*values: int) -> np.ndarray:
 
 
 def _constants(n: int, K: int, config: Any) -> np.ndarray:
-    """float32 [maxvisit_init, value_scale, PUCT coefficient table...] of a search setting (cached)."""
-    key = (n, K, config.pb_c_init, config.pb_c_base, config.maxvisit_init, config.value_scale)
+    """float32 [maxvisit_init, value_scale, min_q_range, PUCT coefficient table...] of a search setting (cached)."""
+    key = (n, K, config.pb_c_init, config.pb_c_base, config.maxvisit_init, config.value_scale, config.min_q_range)
     cf = _CONSTANTS.get(key)
     if cf is None:
         from rayzero.tree.action_selection import puct_coefficients
 
         coef = puct_coefficients(n + K + 1, config.pb_c_init, config.pb_c_base, torch.device("cpu"))
-        head = np.array([config.maxvisit_init, config.value_scale], np.float32)
+        head = np.array([config.maxvisit_init, config.value_scale, config.min_q_range], np.float32)
         cf = np.concatenate([head, coef.numpy()]).astype(np.float32)
         _CONSTANTS[key] = cf
     return cf
@@ -1087,7 +1089,7 @@ def run_search(
     tree = Tree(embeddings=tree_embeddings, **fields)
     small_at = tree_f + _small_offset(B, N, A, n, gumbel) if small else 0
     cf = _constants(n, K, config)
-    if len(cf) > n + K + 4:  # the float tail `_layout` keeps for it
+    if len(cf) > n + K + 5:  # the float tail `_layout` keeps for it
         raise AssertionError(f"PUCT table of {len(cf)} floats for n={n}, K={K}")
     dims = _dims(
         B, N, A, K, n, gumbel, invalid is not None, D, W, config.max_num_considered_actions, tree_f, tree_i,

@@ -117,6 +117,7 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
         L,
         maxvisit_init,
         value_scale,
+        min_range,
         GUMBEL: tl.constexpr,
         HAS_INVALID: tl.constexpr,
         C: tl.constexpr,
@@ -135,7 +136,7 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
             spread = tl.load(vmax_ptr + b) - vmin
             has_spread = spread > 0
             low = tl.where(has_spread, vmin, 0.0)
-            spread = tl.where(has_spread, spread, float("inf"))
+            spread = tl.where(has_spread, tl.maximum(spread, min_range), float("inf"))
         # Root step (search._root_action): invalid actions masked; Gumbel's sequential-halving rule.
         row = b * N
         prior = _load_edges(edges_ptr, row, A, offs, amask, C, CH_PRIOR)
@@ -340,6 +341,7 @@ def select(tree: Tree, ctx: _Context, sim: int) -> KernelPath:
         path.nodes.shape[1],
         float(ctx.config.maxvisit_init),
         float(ctx.config.value_scale),
+        float(ctx.config.min_q_range),
         GUMBEL=gumbel,
         HAS_INVALID=ctx.invalid is not None,
         CH_PRIOR=PRIOR,

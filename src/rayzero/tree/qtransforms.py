@@ -31,13 +31,14 @@ def child_q(rewards: torch.Tensor, discounts: torch.Tensor, child_values: torch.
     return rewards + discounts * child_values
 
 
-def minmax_bounds(value_min: torch.Tensor, value_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, 1] (low, spread) such that (q - low) / spread is the normalised Q: the tree's (min, max - min)
-    when max > min, else (0, inf), which maps every finite Q to 0. Computed once per selection walk."""
+def minmax_bounds(value_min: torch.Tensor, value_max: torch.Tensor, min_range: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 1] (low, spread) such that (q - low) / spread is the normalised Q: the tree's (min, max(max - min,
+    min_range)) when max > min, else (0, inf), which maps every finite Q to 0. Computed once per selection walk."""
     spread = value_max - value_min
     has_spread = spread > 0
     low = torch.where(has_spread, value_min, 0.0)
-    spread = torch.where(has_spread, spread, float("inf"))
+    spread = torch.where(has_spread, spread.clamp_min(min_range), float("inf"))
     return low.unsqueeze(-1), spread.unsqueeze(-1)
 
 

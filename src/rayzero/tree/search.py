@@ -342,7 +342,7 @@ class Path:
 def _prepare_walk(tree: Tree, ctx: _Context) -> None:
     """Per-walk constants: MuZero's Q normalisation bounds (min/max change only in the backup)."""
     if not ctx.gumbel:
-        ctx.low, ctx.spread = minmax_bounds(tree.value_min, tree.value_max)
+        ctx.low, ctx.spread = minmax_bounds(tree.value_min, tree.value_max, ctx.config.min_q_range)
 
 
 def _select(tree: Tree, ctx: _Context, sim: int, max_steps: int, wave_start: int | None = None) -> Path:
