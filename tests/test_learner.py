@@ -424,6 +424,37 @@ def test_consistency_loss_trains_through_a_replay_actor_and_the_observation_cach
     assert results[-1]["obs_path"] == "device_cache"
     assert results[-1]["consistency_loss"] < -0.35, [r["consistency_loss"] for r in results]
 
+def test_random_shift_is_a_replicate_pad_and_a_random_crop():
+    """Each image moves by its own offset in [-pad, pad]^2, uncovered pixels copy the edge, dtype stays: the same
+    bits as torch's replicate padding followed by a crop at those offsets."""
+    from torch.nn import functional as F
+
+    from rayzero.learner.loss import random_shift
+
+    images = torch.randint(0, 256, (16, 3, 10, 12), dtype=torch.uint8)
+    shifted = random_shift(images, 2, torch.Generator().manual_seed(3))
+    offsets = torch.randint(0, 5, (2, 16), generator=torch.Generator().manual_seed(3)) - 2
+    assert shifted.dtype == torch.uint8 and shifted.shape == images.shape
+    padded = F.pad(images.float(), (2, 2, 2, 2), mode="replicate")
+    for i in range(16):
+        dy, dx = 2 + int(offsets[0, i]), 2 + int(offsets[1, i])
+        assert torch.equal(shifted[i].float(), padded[i, :, dy:dy + 10, dx:dx + 12]), i
+    assert len({(int(a), int(b)) for a, b in offsets.T}) > 5  # offsets differ between images
+    assert torch.equal(random_shift(images, 0), images)
+
+
+def test_a_learner_with_random_shifts_trains_the_consistency_loss():
+    """learner.shift_pixels on image batches: the step runs through the shifted root and next observations, and the
+    consistency cosine still trains (the blob known-answer data of consistency_after)."""
+    cfg = LearnerConfig(batch_size=32, lr=3e-3, lr_warmup_steps=0, device="cpu", consistency_weight=2.0,
+                        consistency_dim=32, shift_pixels=2)
+    first_policy, policy, consistency = consistency_after(cfg)
+    assert consistency < -0.35 and policy < first_policy - 0.5, (first_policy, policy, consistency)
+    images = torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8)
+    seen = Learner(BLOB_MODEL, cfg, (3, 24, 24), 4, seed=0).loss_module._images(images)
+    assert seen.shape == images.shape and not torch.equal(seen, images)  # the representation sees shifted images
+
+
 def test_options_resume_exactly(tmp_path):
     """Target network, consistency heads, value prefix and NHWC: resuming from a checkpoint continues bit for
     bit."""

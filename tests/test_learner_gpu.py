@@ -137,3 +137,15 @@ def test_compiled_target_network_bootstraps_match_the_eager_ones():
             eager = bootstrap_values(learner.target, obs).float()
         assert learner._compiled_bootstrap is not None and eager.abs().mean() > 0.01
         torch.testing.assert_close(compiled, eager, rtol=0.02, atol=0.02)
+
+
+def test_random_shifts_differ_between_replays_of_the_compiled_step():
+    """learner.shift_pixels inside the compiled step (CUDA graphs): each replay draws new offsets; a graph that
+    froze its random numbers would shift every step's images the same way."""
+    from rayzero.learner.loss import random_shift
+
+    images = torch.randint(0, 256, (64, 3, 24, 24), dtype=torch.uint8, device="cuda")
+    step = torch.compile(lambda x: random_shift(x, 4), mode="reduce-overhead")
+    outs = [step(images).clone() for _ in range(4)]
+    assert all(o.dtype == torch.uint8 for o in outs)
+    assert not torch.equal(outs[2], outs[3]), "the compiled shift repeated its offsets"

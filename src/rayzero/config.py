@@ -274,6 +274,10 @@ class LearnerConfig:
     t+k (0 = off). Needs replay.next_obs=true."""
     consistency_dim: int = 256
     """Width of the consistency projection (and of its prediction head's hidden layer)."""
+    shift_pixels: int = 0
+    """Image observations: shift each training image (the root's, and the next observations of the consistency
+    loss) by a random offset of up to this many pixels each way, edges replicated (EfficientZero's and
+    LightZero's random-shift augmentation, 4 there); 0 = off. Bootstrap observations are not shifted."""
     manual_gc: bool = True
     """Python's garbage collector off during `train` calls, with a young-generation collection at the end of each
     call (all ranks at the same point) and a full one every 20 calls. An automatic collection pauses one rank
@@ -307,6 +311,7 @@ class LearnerConfig:
             ("target_update_interval", self.target_update_interval >= 0, ">= 0"),
             ("consistency_weight", self.consistency_weight >= 0, ">= 0"),
             ("consistency_dim", self.consistency_dim >= 1, ">= 1"),
+            ("shift_pixels", self.shift_pixels >= 0, ">= 0 (0 = off)"),
             ("grad_sync", self.grad_sync in ("ddp", "flat"), "'ddp' or 'flat'"),
         ])
 

@@ -133,7 +133,7 @@ class Learner:
             self.model.train()
             self.consistency = ConsistencyHeads(features, cfg.consistency_dim).to(self.device)
         self.loss_module = MuZeroLoss(self.model, cfg.value_loss_weight, self.consistency, cfg.consistency_weight,
-                                      self.channels_last)
+                                      self.channels_last, cfg.shift_pixels)
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         # The inner loss module is what gets compiled, so the graph (and the compile cache entry it reuses across
         # processes) is the same with and without DDP; DDP reduces the gradients after the compiled backward.

@@ -7,6 +7,9 @@ losses of the K unrolled steps are scaled by 1/K so that deeper unrolls do not d
 Value prefix (optional, EfficientZero, `model.value_prefix`): the reward term fits, at each unrolled step, the
 LSTM's value-prefix prediction to the sum of the rewards since the root (restarting every horizon steps).
 
+Random shift (optional, `shift_pixels`): image observations are shifted by a random offset before the
+representation sees them, as EfficientZero and LightZero do for their consistency loss.
+
 Consistency (optional, EfficientZero): the latent after k dynamics steps goes through a projection and a
 prediction head; the representation of the real observation at t+k goes through the same projection under
 stop-gradient; the loss is their negative cosine similarity (SimSiam), masked past the segment's end.
@@ -66,13 +69,20 @@ class MuZeroLoss(nn.Module):
     """
 
     def __init__(self, model: MuZeroNet, value_loss_weight: float, consistency: ConsistencyHeads | None = None,
-                 consistency_weight: float = 0.0, channels_last: bool = False):
+                 consistency_weight: float = 0.0, channels_last: bool = False, shift_pixels: int = 0):
         super().__init__()
         self.model = model
         self.consistency = consistency
         self.value_loss_weight = value_loss_weight
         self.consistency_weight = consistency_weight
         self.channels_last = channels_last
+        self.shift_pixels = shift_pixels
+
+    def _images(self, obs: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] observations as the representation gets them: shifted (when on) and laid out."""
+        if self.shift_pixels and obs.dim() == 4:
+            obs = random_shift(obs, self.shift_pixels)
+        return _layout(obs, self.channels_last)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         model = self.model
@@ -80,7 +90,7 @@ class MuZeroLoss(nn.Module):
         actions = batch["actions"]
         num_unroll = actions.shape[1]
         step_scale = 1.0 / num_unroll
-        latent = model.represent(_layout(batch["obs"], self.channels_last))
+        latent = model.represent(self._images(batch["obs"]))
         policy_logits, value_logits = model.predict(latent)
         value_targets = scalar_to_support(batch["target_values"], support)  # [B, K+1, bins]
         reward_targets = scalar_to_support(batch["target_rewards"], support)
@@ -101,7 +111,7 @@ class MuZeroLoss(nn.Module):
         if use_consistency:
             next_obs = batch["next_obs"]
             with torch.no_grad():
-                target_latent = model.represent(_layout(next_obs.flatten(0, 1), self.channels_last))
+                target_latent = model.represent(self._images(next_obs.flatten(0, 1)))
                 targets = self.consistency.project(target_latent).float()
                 targets = targets.view(next_obs.shape[0], num_unroll, -1)
 
@@ -155,6 +165,19 @@ def value_prefix_targets(rewards: torch.Tensor, horizon: int) -> torch.Tensor:
         if k % horizon == 0:
             running = torch.zeros_like(running)
     return prefixes
+
+
+def random_shift(images: torch.Tensor, pad: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[N, C, H, W] images, each moved by its own random offset in [-pad, pad] along each axis, the edge pixels
+    replicated into what it uncovers (a replicate-pad then a random crop, done as one gather on clamped indices,
+    so uint8 stays uint8)."""
+    n, _, height, width = images.shape
+    offsets = torch.randint(0, 2 * pad + 1, (2, n), device=images.device, generator=generator) - pad
+    rows = (torch.arange(height, device=images.device) + offsets[0, :, None]).clamp(0, height - 1)  # [N, H]
+    cols = (torch.arange(width, device=images.device) + offsets[1, :, None]).clamp(0, width - 1)  # [N, W]
+    rows = rows[:, None, :, None].expand(-1, images.shape[1], -1, width)
+    cols = cols[:, None, None, :].expand(-1, images.shape[1], height, -1)
+    return images.gather(2, rows).gather(3, cols)
 
 
 def _layout(obs: torch.Tensor, channels_last: bool) -> torch.Tensor:
