@@ -3,6 +3,7 @@ self-play actor, a killed inference actor, a killed replay shard and a removed n
 transition (bench/faults.py injects; the bench runs the longer schedule). Plus the ledger's reconciliation
 on numbers whose answer is known."""
 
+import numpy as np
 import pytest
 
 from rayzero import config as config_lib
@@ -117,3 +118,17 @@ def test_the_ledger_counts_only_this_runs_arrivals_of_a_resumed_replay():
     assert accounts["transitions_sent"] == 100 and accounts["transitions_in_replay"] == 100
     with pytest.raises(ValueError, match="2 arrivals and 1 restart flags for 1 shards"):
         ledger.reconcile([{}, {}], restarted=[False])
+
+
+def test_evaluations_compare_by_the_spread_between_runs_when_there_are_several():
+    # Two runs a side: standard errors from the between-run spread. Fault-free 500 and 146 (what one seed gave
+    # on two occasions), faulted 251 and 137: se = hypot(250.3 / sqrt 2, 80.6 / sqrt 2) = 185.9, noise 371.9.
+    evals = faults.compare_evals([500.0, 146.0], [251.0, 137.0], [(0.0, 10)] * 4)
+    assert evals["noise_basis"] == "between runs"
+    assert evals["noise"] == pytest.approx(2 * np.hypot(np.std([500, 146], ddof=1), np.std([251, 137], ddof=1))
+                                           / np.sqrt(2))
+    assert evals["not_below_within_noise"]
+    # One run a side: only the episodes' spread, which says the same gap is well beyond noise.
+    one = faults.compare_evals([500.0], [251.0], [(0.0, 10), (102.0, 10)])
+    assert one["noise_basis"] == "within each evaluation" and one["noise"] == pytest.approx(2 * 102 / np.sqrt(10))
+    assert not one["not_below_within_noise"]

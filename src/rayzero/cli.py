@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="selfplay: timed seconds per row (default 30, --quick 3)")
     bench.add_argument("--kill-every", type=float, default=None,
                        help="faults: seconds between self-play actor kills (default 10)")
+    bench.add_argument("--seeds", type=int, default=None,
+                       help="faults: runs a side, seeds 0..N-1, compared by the spread between runs (default 1)")
     return parser
 
 
@@ -149,12 +151,15 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError("--seconds is only for `rayzero bench selfplay`")
         if not args.seconds > 0:
             raise UsageError(f"--seconds must be > 0, got {args.seconds}")
-    if args.kill_every is not None:
+    if args.kill_every is not None or args.seeds is not None:
         if args.name != "faults":
-            raise UsageError("--kill-every is only for `rayzero bench faults`")
-        if not args.kill_every > 0:
+            raise UsageError("--kill-every and --seeds are only for `rayzero bench faults`")
+        if args.kill_every is not None and not args.kill_every > 0:
             raise UsageError(f"--kill-every must be > 0, got {args.kill_every}")
-        module.main(quick=args.quick, json_path=args.json, selfplay_every=args.kill_every)
+        if args.seeds is not None and args.seeds < 1:
+            raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
+        module.main(quick=args.quick, json_path=args.json, selfplay_every=args.kill_every or 10.0,
+                    seeds=args.seeds or 1)
         return 0
     if args.trace:
         if args.name != "inference":
