@@ -51,6 +51,17 @@ def test_central_inference_on_the_cpu_does_not_send_whole_searches():
     assert plan.inference is not None and plan.inference.device == "cpu" and not plan.whole_search
 
 
+def test_a_plan_that_cannot_start_one_self_play_actor_says_how_many_cpus_it_lacks():
+    """A central inference actor on a 2-CPU laptop asks for 3 CPUs (learner, inference actor, one self-play actor):
+    Ray leaves self-play pending, so the run would play nothing. The driver warns with this shortfall."""
+    assert cluster.plan(config_lib.load("cartpole", ["inference.mode=central"]), {"CPU": 2.0}).cpu_shortfall(2.0) == 1.0
+    assert cluster.plan(config_lib.load("cartpole"), {"CPU": 2.0}).cpu_shortfall(2.0) == 0.0
+    assert cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 1.0}).cpu_shortfall(16.0) == 0.0
+    fits = cluster.plan(config_lib.load("cartpole", ["inference.mode=central", "cluster.selfplay_cpus=0"]),
+                        {"CPU": 2.0})
+    assert fits.cpu_shortfall(2.0) == 0.0
+
+
 def test_a_learner_group_gets_its_bundles_from_the_plan():
     cfg = config_lib.load("cartpole", ["cluster.num_learners=2", "cluster.learner_cpus=0", "reanalyse.fraction=0.5"])
     plan = cluster.plan(cfg, {"CPU": 2.0})

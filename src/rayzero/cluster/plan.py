@@ -92,6 +92,12 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def cpu_shortfall(self, cpus: float) -> float:
+        """CPUs missing from `cpus` (what the cluster has) for every fixed role and one self-play actor: above 0,
+        self-play waits for a node to join, and on one machine it never starts."""
+        fixed = sum(role.count * role.cpus for name, role in self.roles().items() if name != "selfplay")
+        return max(0.0, fixed + self.selfplay.cpus - cpus)
+
 
 SHARED_GPU_LEARNER = 0.5
 """The learner's share of a host's only GPU; the inference actor takes the rest."""
