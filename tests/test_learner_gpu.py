@@ -127,7 +127,7 @@ def test_compiled_target_network_bootstraps_match_the_eager_ones():
     cfg = LearnerConfig(batch_size=16, device="cuda", compile=True, compile_mode="default", target_update_interval=5)
     learner = Learner(model, cfg, (12, 96, 96), 6, seed=0)
     obs = torch.randint(0, 256, (16, 6, 12, 96, 96), dtype=torch.uint8, device="cuda")
-    for step in range(2):
+    for _ in range(2):
         with torch.no_grad():  # new weights (the value head starts at zero), copied in place as sync_target does
             for p in learner.model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
