@@ -147,6 +147,25 @@ def test_temperature_follows_the_schedule():
     assert call.role == COLLECT and call.temperature == 0.5
 
 
+def test_warmup_caps_what_self_play_adds_while_the_first_call_compiles():
+    """With learner.warmup_transitions, self-play stops at that many transitions until the first learner call
+    returns (so replay is not full of the initial network's play when learning starts), then the ratio rules."""
+    rules = Rules(**{**RULES.__dict__, "free_first_call": True, "warmup_transitions": 500})
+    schedule = Schedule(rules, start=0.0)
+    assert (COLLECT, 0) in roles(schedule.next_calls(Counters(replay_transitions=499), {(LEARN, 0)}, [0], 1.0))
+    assert (COLLECT, 0) not in roles(schedule.next_calls(Counters(replay_transitions=500), {(LEARN, 0)}, [0], 1.0))
+    returned = Counters(replay_transitions=520, learner_steps=5)
+    schedule.learned(returned)
+    assert (COLLECT, 0) in roles(schedule.next_calls(returned, set(), [0], 2.0))
+    uncapped = Schedule(Rules(**{**RULES.__dict__, "free_first_call": True}), start=0.0)
+    assert (COLLECT, 0) in roles(uncapped.next_calls(Counters(replay_transitions=10**6), {(LEARN, 0)}, [0], 1.0))
+    preset = Rules.from_config(config_lib.load("atari"), num_selfplay=12, num_shards=1, num_reanalyse=0,
+                               learner_compiles=True)
+    assert preset.warmup_transitions == config_lib.load("atari").learner.warmup_transitions
+    with pytest.raises(config_lib.ConfigError, match="learner.warmup_transitions=10 is below replay.min_size=100"):
+        config_lib.load("cartpole", ["learner.warmup_transitions=10", "replay.min_size=100"])
+
+
 def test_rules_from_a_preset():
     cfg = config_lib.load("cartpole", ["cluster.num_learners=2", "cluster.learner_cpus=0"])
     rules = Rules.from_config(cfg, num_selfplay=1, num_shards=2, num_reanalyse=0)

@@ -242,6 +242,10 @@ class LearnerConfig:
     """Target (learner samples) / (env steps); the driver throttles whichever side runs ahead."""
     steps_per_call: int = 50
     """Learner steps per remote call (between weight publications)."""
+    warmup_transitions: int = 0
+    """With a compiling learner (CUDA), the most transitions self-play adds before the learner's first call
+    returns; self-play then waits for it (0 = no cap). Uncapped, a minute of compiling fills replay with the
+    initial network's play, which the learner then samples for minutes."""
     device: str = "auto"
     """'auto' (cuda if available), 'cpu' or 'cuda'."""
     bf16: bool = True
@@ -303,6 +307,7 @@ class LearnerConfig:
             ("value_loss_weight", self.value_loss_weight >= 0, ">= 0"),
             ("replay_ratio", self.replay_ratio > 0, "> 0"),
             ("steps_per_call", self.steps_per_call >= 1, ">= 1"),
+            ("warmup_transitions", self.warmup_transitions >= 0, ">= 0 (0 = no cap)"),
             ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
             ("checkpoint_interval", self.checkpoint_interval >= 1, ">= 1"),
             ("compile_mode", self.compile_mode in COMPILE_MODES, f"one of {COMPILE_MODES}"),
@@ -515,6 +520,9 @@ class Config:
             raise ConfigError("learner.consistency_weight > 0 needs replay.next_obs=true")
         if learner.target_update_interval and not replay.bootstrap_obs:
             raise ConfigError("learner.target_update_interval > 0 needs replay.bootstrap_obs=true")
+        if 0 < learner.warmup_transitions < replay.min_size:
+            raise ConfigError(f"learner.warmup_transitions={learner.warmup_transitions} is below replay.min_size="
+                              f"{replay.min_size}: the learner would never start; use 0 or >= {replay.min_size}")
         shards, ranks = replay.shards or self.cluster.num_learners, self.cluster.num_learners
         if ranks % shards:
             raise ConfigError(f"replay.shards={shards} must divide cluster.num_learners={ranks} (rank r samples "

@@ -6,8 +6,9 @@ cluster (tests/test_schedule.py):
   * the learner starts once replay holds `replay.min_size` transitions (and every shard can be sampled);
   * self-play runs while the learner keeps up with `learner.replay_ratio` (learner samples per transition
     that reached replay), within a slack; the learner runs while it is behind. When the learner compiles its
-    step (on a GPU: a minute or two in its first call), self-play runs freely until that first call returns,
-    and the ratio then counts from that point, so neither side starts out stalled;
+    step (on a GPU: a minute or two in its first call), self-play runs freely until that first call returns
+    (or until replay holds `learner.warmup_transitions`), and the ratio then counts from that point, so
+    neither side starts out stalled;
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
   * evaluation every `run.eval_interval` seconds once the learner has stepped, except one that the last
     evaluation's duration says would end past the time limit (the final evaluation follows at the limit);
@@ -77,6 +78,8 @@ class Rules:
     max_learner_steps: int = 0
     free_first_call: bool = False
     """Self-play is not held back by the ratio until the learner's first call returns (it compiles there)."""
+    warmup_transitions: int = 0
+    """With free_first_call: the most transitions self-play adds before that call returns (0 = no cap)."""
 
     @classmethod
     def from_config(cls, config: Config, num_selfplay: int, num_shards: int, num_reanalyse: int,
@@ -91,7 +94,7 @@ class Rules:
             temperature_schedule=run.temperature_schedule, eval_interval=run.eval_interval,
             log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
             time_limit=run.time_limit, max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
-            free_first_call=learner_compiles,
+            free_first_call=learner_compiles, warmup_transitions=learner.warmup_transitions,
         )
 
 
@@ -143,7 +146,9 @@ class Schedule:
         samples = counters.learner_steps * rules.samples_per_step
         target = rules.replay_ratio * (counters.replay_transitions - self.ratio_base)
         calls = []
-        if not (ready and self.learned_once) or target <= samples + rules.slack:  # while the learner keeps up
+        warming_up = not self.learned_once and rules.warmup_transitions > 0 and \
+            counters.replay_transitions >= rules.warmup_transitions  # full enough: wait for the first call
+        if not warming_up and (not (ready and self.learned_once) or target <= samples + rules.slack):
             temperature = temperature_at(rules.temperature_schedule, counters.learner_steps)
             calls += [Call(COLLECT, i, temperature=temperature) for i in sorted(actors)
                       if (COLLECT, i) not in in_flight]
