@@ -35,6 +35,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from rayzero.config import EnvConfig
+from rayzero.logs import first_line
 
 ATARI_DEFAULT_MAX_STEPS = 27_000
 """Agent steps before an Atari game is truncated when `max_episode_steps` is 0 (108k frames at skip 4)."""
@@ -184,10 +185,10 @@ def _gym_make(cfg: EnvConfig, *, time_limit: bool = True, **kwargs: Any) -> gymn
     try:
         return gymnasium.make(cfg.id, disable_env_checker=True, **kwargs)
     except gymnasium.error.DependencyNotInstalled as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = first_line(error, empty=type(error).__name__)
         raise ValueError(f"env id {cfg.id!r} needs a dependency that is not installed: {first}") from None
     except (gymnasium.error.Error, ModuleNotFoundError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = first_line(error, empty=type(error).__name__)
         raise ValueError(f"cannot make env id {cfg.id!r}: {first}") from None
 
 

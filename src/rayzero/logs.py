@@ -15,6 +15,12 @@ FORMAT = "%(asctime)s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
 
 
+def first_line(error: BaseException, limit: int | None = None, empty: str = "") -> str:
+    """The first line of an error's message, cut to `limit` characters; `empty` when it has none."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else empty
+
+
 def logger(name: str) -> logging.Logger:
     """The logger of module `name` (pass `__name__`), under the `rayzero` logger."""
     root = logging.getLogger("rayzero")

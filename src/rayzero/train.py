@@ -205,16 +205,17 @@ class Driver:
         checkpoint = self._read_checkpoint() if self.resume else None
         (run_dir / "config.yaml").write_text(to_yaml(config))
         how = cluster.connect(config.cluster)
-        log.info("Ray %s, resources %s", how, ray.cluster_resources())
-        plan = cluster.plan(config, ray.cluster_resources())
+        resources = ray.cluster_resources()
+        log.info("Ray %s, resources %s", how, resources)
+        plan = cluster.plan(config, resources)
         (run_dir / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2))
         log.info("resource plan (per actor; also in %s):\n%s", run_dir / "plan.json", plan.table())
-        missing = plan.cpu_shortfall(ray.cluster_resources().get("CPU", 0.0))
+        missing = plan.cpu_shortfall(resources.get("CPU", 0.0))
         if missing > 0:
             log.warning("the plan needs %g more CPUs than the cluster's %g to start one self-play actor: self-play "
                         "waits for a node with room (on one machine it never starts). Lower cluster.selfplay_cpus "
                         "or another role's CPUs, or give Ray more with cluster.num_cpus", missing,
-                        ray.cluster_resources().get("CPU", 0.0))
+                        resources.get("CPU", 0.0))
         self.start = time.perf_counter()
         handles = self.handles = cluster.build(config, self.spec, plan, run_dir=str(run_dir))
         if checkpoint is not None:

@@ -18,6 +18,7 @@ import torch
 
 from rayzero.inference.channel import InferenceClient
 from rayzero.inference.errors import InferenceError
+from rayzero.logs import first_line
 from rayzero.models.networks import MuZeroNet
 from rayzero.models.state import copy_into
 from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchOutput, search
@@ -111,7 +112,7 @@ class RemoteNetwork:
                 if attempt == SEARCH_RETRIES:
                     raise
                 log.warning("%s: whole search failed on the inference actor (%s); sending it again",
-                            self.client_id, str(error).strip().splitlines()[0][:200] if str(error).strip() else "")
+                            self.client_id, first_line(error, 200))
                 obs, temperature = self._sent[slot]
                 self.search_clients[slot].submit_search(obs, temperature)
         raise AssertionError("unreachable")

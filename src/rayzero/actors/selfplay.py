@@ -29,6 +29,7 @@ import torch
 
 from rayzero.actors.network import LocalNetwork, search_observations
 from rayzero.config import EnvConfig, ModelConfig, ReplayConfig
+from rayzero.logs import first_line
 from rayzero.envs import make_vector_env
 from rayzero.models import build_model
 from rayzero.replay.buffer import Segment
@@ -295,7 +296,7 @@ def _actor_died(error: BaseException) -> bool:
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+    return f"{type(error).__name__}: {first_line(error, 200)}"
 
 
 def _delivered(results: list[Any]) -> list[bool]:

@@ -38,7 +38,7 @@ from rayzero.devices import resolve_device
 from rayzero.learner.checkpoint import CheckpointError
 from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
-from rayzero.logs import logger
+from rayzero.logs import first_line, logger
 from rayzero.models import build_model
 from rayzero.models.state import StateDict, copy_into, snapshot
 from rayzero.replay.buffer import Batch
@@ -258,7 +258,7 @@ class Learner:
                 if not is_compile_error(error):  # an OOM or a bug in the loss: eager would not help
                     raise
                 log.warning(f"torch.compile ({self.compile_state.split(':')[-1]}) failed ({type(error).__name__}: "
-                    f"{str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}); "
+                    f"{first_line(error, 300)}); "
                     f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}")
                 self._next_compile_mode()
                 continue
