@@ -890,6 +890,7 @@ _FAST_EMBEDDINGS = {
     torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8,
 }  # fmt: skip
+_NUMPY_DTYPES = {t: torch.empty(0, dtype=t).numpy().dtype for t in _FAST_EMBEDDINGS}
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -1094,9 +1095,11 @@ def run_search(
     if fast:
         rest = tuple(embedding.shape[1:])
         D = math.prod(rest)
-        tree_embeddings = torch.zeros((B, N, *rest), dtype=embedding.dtype)
-        emb_nodes = tree_embeddings.numpy().reshape(B, N, D)
-        root_emb = embedding.detach().contiguous().numpy().reshape(B, D)
+        emb_nodes = np.zeros((B, N, D), _NUMPY_DTYPES[embedding.dtype])
+        tree_embeddings = torch.from_numpy(emb_nodes.reshape(B, N, *rest))
+        if embedding.requires_grad or not embedding.is_contiguous():
+            embedding = embedding.detach().contiguous()
+        root_emb = embedding.numpy().reshape(B, D)
         # Every wave's parent embeddings in one buffer (each wave's recurrent_fn input is a view of its
         # own row), unless that is large: then a fresh one-wave buffer per wave.
         per_search = W * K * B * D * root_emb.itemsize <= 4 << 20
@@ -1274,12 +1277,15 @@ def _numpy_waves(
     value = reward = discount = _NO_OUTPUT_1
     rows = K * B
     r, ra, re = (rows,), (rows, A), (rows, *rest)
+    one = rows == 1 and not rest  # arrays of shape [1]: C-contiguous whatever their stride
+    wl = W - 1 if n % K else -1  # a last, partial wave
     F, E, ND, RO = _NP_F32, embs.dtype, np.ndarray, RecurrentOutput
     for w in range(W):
         _wave_arrays(fbuf, ibuf, emb_nodes, emb_in, w, prior, value, reward, discount, nxt)
-        if n - w * K < K:  # the last wave, partial
+        if w == wl:
             rows = (n - w * K) * B
             r, ra, re = (rows,), (rows, A), (rows, *rest)
+            one = rows == 1 and not rest
             emb = embs[w, :rows]
             out, nxt = fn(acts[w, :rows], emb)
         else:
@@ -1292,9 +1298,9 @@ def _numpy_waves(
                 ok = (
                     reward.dtype is F and discount.dtype is F and logits.dtype is F and value.dtype is F
                     and nxt.dtype is E and reward.shape == r and discount.shape == r and value.shape == r
-                    and logits.shape == ra and nxt.shape == re and reward.flags.c_contiguous
-                    and discount.flags.c_contiguous and value.flags.c_contiguous and logits.flags.c_contiguous
-                    and nxt.flags.c_contiguous
+                    and logits.shape == ra and nxt.shape == re and logits.flags.c_contiguous
+                    and (one or (reward.flags.c_contiguous and discount.flags.c_contiguous
+                                 and value.flags.c_contiguous and nxt.flags.c_contiguous))
                 )  # fmt: skip
         if not ok:
             (reward, discount, logits, value), nxt = check_numpy_output(out, nxt, rows, A, emb)
