@@ -496,7 +496,8 @@ def bench_mctx(
 
 def warm_up_compiled_tree() -> float:
     """Compile (first process on a machine) or load from numba's cache the compiled kernels, with a tiny
-    search of each policy, virtual loss included; returns the seconds it took. Searches call the kernels
+    search of each policy, virtual loss included, and one with a NumpyRecurrentFn; returns the seconds it
+    took. Searches call the kernels
     lazily anyway: this only moves the one-off cost out of a timed region."""
     from rayzero.tree.base import RecurrentOutput, RootOutput, SearchConfig
     from rayzero.tree.search import search
@@ -508,6 +509,11 @@ def warm_up_compiled_tree() -> float:
         out = RecurrentOutput(torch.zeros(n), torch.ones(n), torch.zeros(n, 2), torch.zeros(n))
         return out, embedding
 
+    def numpy_fn(action: np.ndarray, embedding: np.ndarray):
+        n = action.shape[0]
+        zeros = np.zeros(n, np.float32)
+        return RecurrentOutput(zeros, zeros + 1, np.zeros((n, 2), np.float32), zeros), embedding
+
     root = RootOutput(torch.zeros(1, 2), torch.zeros(1), torch.zeros(1, 1))
     for config in (
         SearchConfig(cpu_backend="numba"),
@@ -515,6 +521,8 @@ def warm_up_compiled_tree() -> float:
         SearchConfig(cpu_backend="numba", policy="gumbel"),
     ):
         search(root, fn, 2, config, invalid_actions=torch.tensor([[False, True]]))
+    # _wave_arrays (NumpyRecurrentFn) for the bench's "table-numpy" embeddings, [B] int64
+    search(root._replace(embedding=torch.zeros(1, dtype=torch.int64)), NumpyRecurrentFn(numpy_fn), 2)
     return time.perf_counter() - start
 
 
