@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from rayzero.tree import (
     NO_PARENT,
+    NumpyRecurrentFn,
     ROOT,
     UNVISITED,
     RecurrentOutput,
@@ -568,6 +570,44 @@ def test_pytree_embedding_and_dtypes(cpu_backend):
     assert h.shape == (2, 6, 4) and c.shape == (2, 6, 2, 2)
     assert out.tree.parents[:, 1].tolist() == [0, 0] and h[:, 1].eq(1).all() and c[:, 1].eq(2).all()
     assert tree_nbytes(out.tree) > 0 and tree_nbytes(out.tree, per_tree=False) == 2 * tree_nbytes(out.tree)
+
+
+def numpy_hash_model(num_actions: int, discount: float = 0.9):
+    """`hash_model` on numpy arrays (the same int64 arithmetic and 12-bit units, so the same bits)."""
+    salts = np.arange(1, num_actions + 1, dtype=np.int64) * 0x1E3779B97F4A7C15
+
+    def mix(h):
+        h = h * np.int64(_MULT) + np.int64(_INC)
+        return h ^ (h >> 29)
+
+    def unit(h, shift):
+        return ((h >> shift) & 0xFFF).astype(np.float32) / np.float32(4096.0)
+
+    def fn(action: np.ndarray, emb: np.ndarray):
+        assert isinstance(action, np.ndarray) and isinstance(emb, np.ndarray)
+        h = mix(emb[:, 0] * 31 + action + 7)
+        lh = mix(h[:, None] ^ salts)
+        out = RecurrentOutput(
+            reward=unit(h, 3) * 2 - 1,
+            discount=np.full(action.shape[0], discount, np.float32),
+            prior_logits=unit(lh, 7) * 4 - 2,
+            value=unit(h, 17) * 2 - 1,
+        )
+        return out, h[:, None]
+
+    return fn
+
+
+@pytest.mark.parametrize("policy", ["muzero", "gumbel"])
+def test_numpy_recurrent_fn_same_search(policy, cpu_backend):
+    """A NumpyRecurrentFn gives the search of the same model on tensors, on either backend."""
+    root, A = hash_root(6, 7, seed=2), 7
+    cfg = SearchConfig(policy=policy, temperature=1.0)
+    a = search(root, hash_model(A), 20, cfg, generator=torch.Generator().manual_seed(3))
+    b = search(root, NumpyRecurrentFn(numpy_hash_model(A)), 20, cfg, generator=torch.Generator().manual_seed(3))
+    for name in ("visit_counts", "action", "action_weights", "qvalues", "root_value"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.tree.edges, b.tree.edges) and torch.equal(a.tree.embeddings, b.tree.embeddings)
 
 
 def test_max_nodes_and_bad_inputs(cpu_backend):

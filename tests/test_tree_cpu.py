@@ -4,10 +4,12 @@ switch and its fallback. The known-answer search tests in test_tree.py run on bo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, cpu, sample_noise, search
+from rayzero.bench.tree import table_model, table_model_numpy, torch_root
+from rayzero.tree import NumpyRecurrentFn, RecurrentOutput, RootOutput, SearchConfig, cpu, sample_noise, search
 
 pytestmark = pytest.mark.skipif(not cpu.numba_importable(), reason="numba does not import")
 
@@ -390,3 +392,214 @@ def test_small_batch_threshold(monkeypatch):
         a, b = both(random_root(B, A, 1), random_model(A), 12, random_invalid(B, A, 1), 1, virtual_loss=K)
         assert calls == ([1] if small else [])
         assert_same_search(a, b)
+
+
+# ------------------------------------------------------------------- NumpyRecurrentFn (numpy in and out)
+
+
+def _unit_np(h: np.ndarray, shift: int) -> np.ndarray:
+    return ((h >> shift) & 0x7FFFFF).astype(np.float32) / np.float32(1 << 23)
+
+
+def numpy_random_model(num_actions: int, terminal_rate: float = 0.1, seen: list | None = None):
+    """`random_model` written on numpy arrays (int64 arithmetic wraps in both): the same bits. `seen`
+    collects the types of each call's inputs."""
+    salts = np.arange(1, num_actions + 1, dtype=np.int64) * 0x1E3779B97F4A7C15
+
+    def mix(h):
+        h = h * np.int64(_MULT) + np.int64(_INC)
+        return h ^ (h >> 29)
+
+    def fn(action: np.ndarray, emb: np.ndarray):
+        if seen is not None:
+            seen.append((type(action), action.dtype, type(emb)))
+        h = mix(emb[:, 0] * 31 + action + 7)
+        lh = mix(h[:, None] ^ salts)
+        terminal = _unit_np(h, 5) < terminal_rate
+        out = RecurrentOutput(
+            reward=_unit_np(h, 3) * 2 - 1,
+            discount=np.where(terminal, np.float32(0.0), np.float32(0.97)),
+            prior_logits=_unit_np(lh, 11) * 6 - 3,
+            value=_unit_np(h, 17) * 2 - 1,
+        )
+        return out, h[:, None]
+
+    return fn
+
+
+def numpy_fast_path_calls(monkeypatch) -> list:
+    calls: list = []
+    real = cpu._numpy_waves
+    monkeypatch.setattr(cpu, "_numpy_waves", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+def test_numpy_model_is_the_torch_model():
+    A = 7
+    action = torch.randint(A, (50,), generator=torch.Generator().manual_seed(0))
+    emb = random_root(50, A, 3).embedding
+    a, ea = random_model(A)(action, emb)
+    b, eb = numpy_random_model(A)(action.numpy(), emb.numpy())
+    for x, y in zip(a, b):
+        assert y.dtype == np.float32 and torch.equal(x, torch.from_numpy(y))
+    assert torch.equal(ea, torch.from_numpy(eb))
+
+
+@pytest.mark.parametrize(
+    "policy,B,K,masked",
+    [(p, B, 1, m) for p in ("muzero", "gumbel") for B, m in ((1, False), (4, True), (24, True))]
+    + [("muzero", 6, 3, True), ("muzero", 5, 4, False)],  # virtual loss is MuZero only
+)
+def test_numpy_protocol_same_trees_as_torch_protocol(policy, B, K, masked, monkeypatch):
+    """The same model written on tensors and on numpy arrays: the compiled tree gives the same trees,
+    outputs and embeddings bit for bit (small and large batches, masks, noise, temperature sampling,
+    virtual loss with a partial last wave), and the numpy model gets numpy arrays. The torch path runs the
+    wrapper through its tensor adapter: MuZero bit for bit, Gumbel within fp tolerance, as for a torch fn."""
+    A, n = 9, 31
+    seen: list = []
+    root, invalid = random_root(B, A, B + K), random_invalid(B, A, B) if masked else None
+    cfg = {"policy": policy, "temperature": 1.0, "virtual_loss": K}
+    calls = numpy_fast_path_calls(monkeypatch)
+    ref = search(root, random_model(A), n, SearchConfig(cpu_backend="numba", **cfg), invalid,
+                 torch.Generator().manual_seed(5))  # fmt: skip
+    assert calls == []
+    wrapped = NumpyRecurrentFn(numpy_random_model(A, seen=seen))
+    got = search(root, wrapped, n, SearchConfig(cpu_backend="numba", **cfg), invalid, torch.Generator().manual_seed(5))
+    assert calls == [1]  # the numpy loop ran
+    assert_same_search(ref, got)
+    assert len(seen) == -(-n // K) and all(s == (np.ndarray, np.int64, np.ndarray) for s in seen)
+    slow = search(root, wrapped, n, SearchConfig(cpu_backend="torch", **cfg), invalid, torch.Generator().manual_seed(5))
+    assert_same_search(slow, got, exact_floats=policy == "muzero")
+
+
+@pytest.mark.parametrize("policy", ["muzero", "gumbel"])
+def test_bench_table_model_both_ways(policy):
+    """The bench's "table" recurrent_fn (torch tensors) and "table-numpy" (NumpyRecurrentFn): same trees."""
+    for B in (1, 32):
+        root = torch_root("table", B, torch.device("cpu"))
+        cfg = SearchConfig(policy=policy, cpu_backend="numba")
+        a = search(root, table_model(), 50, cfg, generator=torch.Generator().manual_seed(B))
+        b = search(root, table_model_numpy(), 50, cfg, generator=torch.Generator().manual_seed(B))
+        assert_same_search(a, b)
+
+
+def test_numpy_inputs_kept_and_output_buffers_reused():
+    """A numpy fn may keep its inputs (each wave's rows are its own) and may return the same output buffers
+    on every call, overwritten in place (each wave's outputs are read before the next call); strided and
+    float64 outputs are converted to float32 as the torch protocol converts them."""
+    B, A, n = 3, 6, 20
+    base = numpy_random_model(A)
+    kept = []
+    bufs = {}
+
+    def fn(action, emb):
+        kept.append((action, action.copy(), emb, emb.copy()))
+        out, nxt = base(action, emb)
+        rows = action.shape[0]
+        if rows not in bufs:
+            bufs[rows] = (np.empty(rows, np.float32), np.empty((rows, 2 * A), np.float32), np.empty((rows, 1), np.int64))
+        value, wide, state = bufs[rows]
+        value[:] = out.value
+        wide[:, ::2] = out.prior_logits  # a strided view of the same values
+        state[:] = nxt
+        return RecurrentOutput(out.reward.astype(np.float64), out.discount, wide[:, ::2], value), state
+
+    root = random_root(B, A, 2)
+    for policy in ("muzero", "gumbel"):
+        cfg = SearchConfig(policy=policy, cpu_backend="numba")
+        a = search(root, random_model(A), n, cfg, generator=torch.Generator().manual_seed(0))
+        b = search(root, NumpyRecurrentFn(fn), n, cfg, generator=torch.Generator().manual_seed(0))
+        assert_same_search(a, b)
+    for action, action0, emb, emb0 in kept:
+        assert np.array_equal(action, action0) and np.array_equal(emb, emb0)
+
+
+def test_numpy_protocol_pytree_and_one_dim_embeddings(monkeypatch):
+    """A pytree embedding takes the tensor adapter (numpy pytrees in and out); a [B] embedding the numpy
+    loop. Both give the torch path's trees."""
+    A, n = 4, 15
+    base = numpy_random_model(A)
+
+    def gen():
+        return torch.Generator().manual_seed(7)
+
+    def pytree_fn(action, emb):
+        state, extra = emb
+        out, nxt = base(action, state)
+        return out, (nxt, extra * 2 + 1)
+
+    root = random_root(3, A, 1)
+    root = root._replace(embedding=(root.embedding, torch.zeros(3, 2, 2, dtype=torch.float16)))
+    calls = numpy_fast_path_calls(monkeypatch)
+    a = search(root, NumpyRecurrentFn(pytree_fn), n, SearchConfig(cpu_backend="torch"), generator=gen())
+    b = search(root, NumpyRecurrentFn(pytree_fn), n, SearchConfig(cpu_backend="numba"), generator=gen())
+    assert calls == []
+    assert torch.equal(a.visit_counts, b.visit_counts)
+    for x, y in zip(a.tree.embeddings, b.tree.embeddings):
+        assert torch.equal(x, y)
+    assert b.tree.embeddings[1][:, 1].eq(1).all()
+
+    def handle_fn(action, emb):  # [B'] int64 embeddings
+        out, nxt = base(action, emb[:, None])
+        return out, nxt[:, 0]
+
+    root = random_root(5, A, 3)
+    root = root._replace(embedding=root.embedding[:, 0])
+    a = search(root, NumpyRecurrentFn(handle_fn), n, SearchConfig(cpu_backend="torch"), generator=gen())
+    b = search(root, NumpyRecurrentFn(handle_fn), n, SearchConfig(cpu_backend="numba"), generator=gen())
+    assert calls == [1]
+    assert torch.equal(a.visit_counts, b.visit_counts) and torch.equal(a.tree.embeddings, b.tree.embeddings)
+
+
+def _bad_outputs(A: int):
+    """(name, change of a good output, the error it must raise)."""
+    return [
+        ("value shape", lambda o, e: (o._replace(value=o.value[:, None]), e), r"value of shape \[3, 1\]; expected \[3\]"),
+        ("reward rows", lambda o, e: (o._replace(reward=o.reward[:2]), e), r"reward of shape \[2\]; expected \[3\]"),
+        ("logits width", lambda o, e: (o._replace(prior_logits=o.prior_logits[:, :2]), e),
+         rf"prior_logits of shape [\[(]3, 2[\])]; expected \[3, {A}\]"),  # torch path: search()'s check
+        ("int reward", lambda o, e: (o._replace(reward=o.reward.astype(np.int64)), e),
+         r"reward of dtype int64; expected float32 \(or float64"),
+        ("float16 discount", lambda o, e: (o._replace(discount=o.discount.astype(np.float16)), e),
+         r"discount of dtype float16; expected float32"),
+        ("list value", lambda o, e: (o._replace(value=o.value.tolist()), e), r"value of type list; expected a float32 ndarray \[3\]"),
+        ("tensor logits", lambda o, e: (o._replace(prior_logits=torch.from_numpy(o.prior_logits)), e),
+         r"prior_logits of type Tensor"),
+        ("tuple output", lambda o, e: (tuple(o), e), r"must return \(RecurrentOutput, next_embedding\) of numpy arrays, got tuple"),
+        ("embedding dtype", lambda o, e: (o, e.astype(np.float32)),
+         r"next_embedding \[3, 1\] of dtype float32; expected an ndarray \[3, 1\] of dtype int64"),
+        ("embedding shape", lambda o, e: (o, e[:, 0]), r"next_embedding \[3\] of dtype int64; expected an ndarray \[3, 1\]"),
+        ("embedding tensor", lambda o, e: (o, torch.from_numpy(e)), r"next_embedding Tensor; expected an ndarray"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_numpy_fn_bad_outputs_named(backend):
+    """A numpy fn returning a wrong shape, dtype or type on a later wave: a ValueError that names the bad
+    value and what is valid, on the compiled tree and through the tensor adapter of the torch path."""
+    B, A = 3, 5
+    base = numpy_random_model(A)
+    for name, change, message in _bad_outputs(A):
+        calls = []
+
+        def fn(action, emb, change=change, calls=calls):
+            calls.append(1)
+            out, nxt = base(action, emb)
+            return change(out, nxt) if len(calls) == 3 else (out, nxt)
+
+        with pytest.raises(ValueError, match=message):
+            search(random_root(B, A, 0), NumpyRecurrentFn(fn), 6, SearchConfig(cpu_backend=backend))
+        assert len(calls) == 3, name
+
+
+def test_numpy_fn_refusals():
+    with pytest.raises(ValueError, match="needs a callable"):
+        NumpyRecurrentFn(3)
+    root = RootOutput(torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, 4, dtype=torch.bfloat16))
+
+    def fn(action, emb):
+        raise AssertionError("not called")
+
+    for backend in ("numba", "torch"):
+        with pytest.raises(ValueError, match="bfloat16 embedding has no numpy dtype"):
+            search(root, NumpyRecurrentFn(fn), 4, SearchConfig(cpu_backend=backend))

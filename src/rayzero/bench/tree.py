@@ -11,9 +11,10 @@ friendly.
 
 CPU rows (every run, CUDA or not): the compiled CPU tree (mode "numba", tree/cpu.py) against the torch CPU path
 (mode "torch") on one core (torch.set_num_threads(1); numba is single-threaded), 50 simulations, B in
-{1, 32, 64, 256, 1024}, both policies, two network-free recurrent_fns: "none" (above: small elementwise torch
-ops) and "table" (a random finite MDP: the embedding is a [B] int64 state id and each call is a few numpy
-table lookups on the tensors' memory, no torch op), so the tree's cost is not hidden behind torch's per-op
+{1, 32, 64, 256, 1024}, both policies, three network-free recurrent_fns: "none" (above: small elementwise
+torch ops), "table" (a random finite MDP: the embedding is a [B] int64 state id and each call is a few numpy
+table lookups on the tensors' memory, no torch op) and "table-numpy" (the same MDP as a tree.NumpyRecurrentFn:
+numpy arrays in and out, no tensor per call), so the tree's cost is not hidden behind torch's per-op
 overhead of a fake network. Median of several searches after a warm-up (numba's compile or cache load is
 timed separately as compile_s). Each row also reports the time spent inside recurrent_fn, and "tree-only"
 simulations/s without it (what LightZero's tree-only figure measures). --quick: B in {1, 16}, 10 simulations.
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from rayzero.bench.common import write_json
-from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, search, tree_nbytes
+from rayzero.tree import NumpyRecurrentFn, RecurrentOutput, RootOutput, SearchConfig, search, tree_nbytes
 
 A = 18
 EMB_NONE = 4
@@ -82,9 +83,8 @@ def torch_model(net: str, device: torch.device, weights: dict[str, torch.Tensor]
     return mlp_fn
 
 
-def table_model(seed: int = 0) -> Callable:
-    """recurrent_fn "table": a random finite MDP of TABLE_STATES states, the embedding a [B'] int64 state id;
-    a call is a next-state lookup and one lookup per output in numpy arrays (CPU tensors only)."""
+def _table(seed: int) -> tuple[np.ndarray, ...]:
+    """The "table" MDP: next state [S, A] int64, reward, discount, value [S] and logits [S, A] float32."""
     rng = np.random.default_rng(seed)
     S = TABLE_STATES
     next_state = rng.integers(S, size=(S, A))
@@ -92,6 +92,13 @@ def table_model(seed: int = 0) -> Callable:
     discount = np.where(rng.random(S) < 0.02, 0.0, 0.99).astype(np.float32)  # a few terminal states
     value = (rng.random(S, dtype=np.float32) * 2.0 - 1.0).astype(np.float32)
     logits = rng.standard_normal((S, A), dtype=np.float32)
+    return next_state, reward, discount, value, logits
+
+
+def table_model(seed: int = 0) -> Callable:
+    """recurrent_fn "table": a random finite MDP of TABLE_STATES states, the embedding a [B'] int64 state id;
+    a call is a next-state lookup and one lookup per output in numpy arrays (CPU tensors only)."""
+    next_state, reward, discount, value, logits = _table(seed)
 
     def table_fn(action: torch.Tensor, emb: torch.Tensor):
         s = next_state[emb.numpy(), action.numpy()]
@@ -106,9 +113,21 @@ def table_model(seed: int = 0) -> Callable:
     return table_fn
 
 
+def table_model_numpy(seed: int = 0) -> NumpyRecurrentFn:
+    """recurrent_fn "table-numpy": the "table" MDP with numpy in and out (tree.NumpyRecurrentFn): the same
+    lookups, no tensor made or read."""
+    next_state, reward, discount, value, logits = _table(seed)
+
+    def table_fn(action: np.ndarray, emb: np.ndarray):
+        s = next_state[emb, action]
+        return RecurrentOutput(reward[s], discount[s], logits[s], value[s]), s
+
+    return NumpyRecurrentFn(table_fn)
+
+
 def torch_root(net: str, B: int, device: torch.device, seed: int = 0) -> RootOutput:
     g = torch.Generator().manual_seed(seed)
-    if net == "table":
+    if net in ("table", "table-numpy"):
         return RootOutput(
             torch.randn(B, A, generator=g).to(device),
             torch.randn(B, generator=g).to(device),
@@ -201,10 +220,11 @@ def bench_ours(
 CPU_BATCHES = (1, 32, 64, 256, 1024)
 # The compiled tree's entry points that run_search calls from Python (timed as "compiled calls").
 COMPILED_CALLS = (
-    "_init_search", "_wave", "_outputs", "_rewrite_priors", "_clamp_tiny", "_negate", "_gamma_proposals", "_gamma_accept",
+    "_init_search", "_wave", "_wave_arrays", "_outputs", "_rewrite_priors", "_clamp_tiny", "_negate", "_gamma_proposals",
+    "_gamma_accept",
 )  # fmt: skip
 CPU_MODES = ("numba", "torch")
-CPU_NETS = ("none", "table")
+CPU_NETS = ("none", "table", "table-numpy")
 
 
 def bench_cpu(
@@ -215,14 +235,19 @@ def bench_cpu(
 
     device = torch.device("cpu")
     config = SearchConfig(policy=policy, num_simulations=n, cpu_backend=mode)
-    net = table_model() if net_name == "table" else torch_model("none", device, {})
+    nets = {"table": table_model, "table-numpy": table_model_numpy}
+    net = nets[net_name]() if net_name in nets else torch_model("none", device, {})
+    inner = net.fn if isinstance(net, NumpyRecurrentFn) else net
     in_fn = [0.0]
 
-    def fn(action: torch.Tensor, emb: torch.Tensor):
+    def fn(action: Any, emb: Any):
         t0 = time.perf_counter()
-        out = net(action, emb)
+        out = inner(action, emb)
         in_fn[0] += time.perf_counter() - t0
         return out
+
+    if isinstance(net, NumpyRecurrentFn):
+        fn = NumpyRecurrentFn(fn)
 
     in_compiled = [0.0]
 
@@ -471,7 +496,8 @@ def bench_mctx(
 
 def warm_up_compiled_tree() -> float:
     """Compile (first process on a machine) or load from numba's cache the compiled kernels, with a tiny
-    search of each policy, virtual loss included; returns the seconds it took. Searches call the kernels
+    search of each policy, virtual loss included, and one with a NumpyRecurrentFn; returns the seconds it
+    took. Searches call the kernels
     lazily anyway: this only moves the one-off cost out of a timed region."""
     from rayzero.tree.base import RecurrentOutput, RootOutput, SearchConfig
     from rayzero.tree.search import search
@@ -483,6 +509,11 @@ def warm_up_compiled_tree() -> float:
         out = RecurrentOutput(torch.zeros(n), torch.ones(n), torch.zeros(n, 2), torch.zeros(n))
         return out, embedding
 
+    def numpy_fn(action: np.ndarray, embedding: np.ndarray):
+        n = action.shape[0]
+        zeros = np.zeros(n, np.float32)
+        return RecurrentOutput(zeros, zeros + 1, np.zeros((n, 2), np.float32), zeros), embedding
+
     root = RootOutput(torch.zeros(1, 2), torch.zeros(1), torch.zeros(1, 1))
     for config in (
         SearchConfig(cpu_backend="numba"),
@@ -490,6 +521,8 @@ def warm_up_compiled_tree() -> float:
         SearchConfig(cpu_backend="numba", policy="gumbel"),
     ):
         search(root, fn, 2, config, invalid_actions=torch.tensor([[False, True]]))
+    # _wave_arrays (NumpyRecurrentFn) for the bench's "table-numpy" embeddings, [B] int64
+    search(root._replace(embedding=torch.zeros(1, dtype=torch.int64)), NumpyRecurrentFn(numpy_fn), 2)
     return time.perf_counter() - start
 
 
@@ -599,7 +632,7 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 _HEADER = (
-    f"{'impl':8} {'net':7} {'policy':7} {'B':>5} {'sims':>5} {'mode':9} {'ms/search':>10} {'sims/s':>12}"
+    f"{'impl':8} {'net':11} {'policy':7} {'B':>5} {'sims':>5} {'mode':9} {'ms/search':>10} {'sims/s':>12}"
     f" {'fn ms':>8} {'tree-only sims/s':>17}"
 )
 
@@ -609,7 +642,7 @@ def _print_row(r: dict[str, Any]) -> None:
     if "tree_only_simulations_per_s" in r:
         extra = f" {r['recurrent_fn_ms']:8.3f} {r['tree_only_simulations_per_s']:17.0f}"
     print(
-        f"{r['impl']:8} {r['net']:7} {r['policy']:7} {r['batch']:5d} {r['num_simulations']:5d} {r['mode']:9} "
+        f"{r['impl']:8} {r['net']:11} {r['policy']:7} {r['batch']:5d} {r['num_simulations']:5d} {r['mode']:9} "
         f"{r['ms_per_search']:10.3f} {r['simulations_per_s']:12.0f}{extra}",
         flush=True,
     )
@@ -629,7 +662,7 @@ def _print_cpu_summary(summary: list[dict[str, Any]]) -> None:
                 bar += f" (tree only: {'met' if e['bar_met_tree_only'] else 'NOT met'}"
                 bar += f"; compiled calls {e['numba_compiled_calls_ms']:.3f} ms)"
         print(
-            f"  {e['net']:5} {e['policy']:7} B={e['batch']:5d} numba {e['numba_ms']:9.3f} torch {torch_ms} {speed} "
+            f"  {e['net']:11} {e['policy']:7} B={e['batch']:5d} numba {e['numba_ms']:9.3f} torch {torch_ms} {speed} "
             f"{e['numba_simulations_per_s']:11.0f} sims/s{bar}"
         )
 
@@ -655,7 +688,7 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU rows (compiled tree vs torch path)")
-    parser.add_argument("--nets", default=",".join(CPU_NETS), help="CPU rows: recurrent_fns (none,table)")
+    parser.add_argument("--nets", default=",".join(CPU_NETS), help="CPU rows: recurrent_fns (none,table,table-numpy)")
     parser.add_argument("--batches", default="", help="CPU rows: batch sizes, e.g. 1,256 (default: all)")
     parser.add_argument("--modes", default=",".join(CPU_MODES), help="CPU rows: numba,torch")
     args = parser.parse_args()

@@ -1,7 +1,8 @@
 """Types of the batched tree search: inputs, outputs and the search configuration.
 
 Shapes: B = batch of roots, A = number of actions, N = num_simulations + 1 nodes per tree.
-This module holds types only; the search lives in `search.py`.
+This module holds types (and the numpy recurrent_fn wrapper with its output check); the search lives in
+`search.py`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 from typing import Any, NamedTuple
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 POLICIES = ("muzero", "gumbel")
@@ -102,6 +104,112 @@ class RecurrentOutput(NamedTuple):
 
 # recurrent_fn(action [B] int64, embedding [B, ...]) -> (RecurrentOutput, next_embedding [B, ...])
 RecurrentFn = Callable[[torch.Tensor, Any], "tuple[RecurrentOutput, Any]"]
+
+
+class NumpyRecurrentFn:
+    """A recurrent_fn written on numpy arrays: `search(root, NumpyRecurrentFn(fn), ...)`.
+
+    fn(action [B'] int64 ndarray, embedding [B', ...] ndarray (or a pytree of them, as the root's)) ->
+    (RecurrentOutput(reward [B'], discount [B'], prior_logits [B', A], value [B']) of float32 ndarrays
+    (float64 is accepted and rounded to float32, as the torch protocol's .float()), next_embedding of the
+    input embedding's structure, dtypes and trailing shapes).
+
+    The compiled CPU tree (tree/cpu.py) calls `fn` directly on views of its own buffers and reads its outputs
+    without torch tensors: for cheap CPU models (tables, simulators, numba code) that saves the tensor
+    conversions of every wave. Each wave's inputs are fresh (fn may keep them); its outputs are read before
+    the next call (fn may reuse its output buffers). Everywhere else (the torch path, CUDA, pytree or large
+    embeddings) the wrapper is an ordinary torch recurrent_fn: `__call__` converts the tensors to numpy and
+    the results back, so a search gives the same results whichever path runs. bfloat16 embeddings have no
+    numpy dtype and are refused.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[np.ndarray, Any], tuple[RecurrentOutput, Any]]) -> None:
+        if not callable(fn):
+            raise ValueError(f"NumpyRecurrentFn needs a callable, got {type(fn).__name__}")
+        self.fn = fn
+
+    def __call__(self, action: torch.Tensor, embedding: Any) -> tuple[RecurrentOutput, Any]:
+        """The torch protocol: tensors to numpy (via the host), `fn`, its checked outputs back as tensors."""
+        device = action.device
+        emb = numpy_map(_host_array, embedding)
+        out, nxt = self.fn(_host_array(action), emb)
+        out, nxt = check_numpy_output(out, nxt, action.shape[0], None, emb)
+        return (
+            RecurrentOutput(*(torch.from_numpy(x).to(device) for x in out)),
+            numpy_map(lambda x: torch.from_numpy(x).to(device), nxt),
+        )
+
+
+def numpy_map(fn: Callable[[Any], Any], x: Any) -> Any:
+    """Apply `fn` to every array or tensor leaf of a (possibly nested) tuple/list/dict."""
+    if isinstance(x, (np.ndarray, torch.Tensor)):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: numpy_map(fn, v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # NamedTuple
+        return type(x)(*(numpy_map(fn, v) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(numpy_map(fn, v) for v in x)
+    raise ValueError(f"NumpyRecurrentFn: embedding leaves must be numpy arrays, got {type(x).__name__}")
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        raise ValueError(
+            "NumpyRecurrentFn: a bfloat16 embedding has no numpy dtype; use a torch recurrent_fn or another dtype"
+        )
+    return t.detach().cpu().numpy()
+
+
+_NUMPY_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_NUMPY_F32 = np.dtype(np.float32)
+
+
+def check_numpy_output(out: Any, nxt: Any, rows: int, A: int | None, embedding: Any) -> tuple[tuple, Any]:
+    """A NumpyRecurrentFn's return value, checked (ValueError naming the bad value and what is valid):
+    returns (the four outputs as C-contiguous float32 arrays, next_embedding with C-contiguous leaves).
+    `embedding`: the call's input (its structure, leaf dtypes and trailing shapes are what next_embedding
+    must have); A = None: prior_logits' width is left to search()'s own check."""
+    who = "recurrent_fn (NumpyRecurrentFn)"
+    if not isinstance(out, RecurrentOutput):
+        raise ValueError(  # noqa: TRY004
+            f"{who} must return (RecurrentOutput, next_embedding) of numpy arrays, got {type(out).__name__} first"
+        )
+    fields = []
+    for name, x in zip(RecurrentOutput._fields, out):
+        logits = name == "prior_logits"
+        want = f"[{rows}, {A if A is not None else 'A'}]" if logits else f"[{rows}]"
+        if not isinstance(x, np.ndarray):
+            raise ValueError(f"{who} returned {name} of type {type(x).__name__}; expected a float32 ndarray {want}")
+        shape_ok = (x.ndim == 2 and x.shape[0] == rows and A in (None, x.shape[1])) if logits else x.shape == (rows,)
+        if not shape_ok:
+            raise ValueError(f"{who} returned {name} of shape {list(x.shape)}; expected {want}")
+        if x.dtype not in _NUMPY_FLOATS:
+            raise ValueError(
+                f"{who} returned {name} of dtype {x.dtype}; expected float32 (or float64, rounded to float32)"
+            )
+        fields.append(np.ascontiguousarray(x, _NUMPY_F32))
+    try:
+        pairs = list(zip(_leaves(nxt), _leaves(embedding), strict=True))
+    except ValueError:
+        raise ValueError(
+            f"{who} returned a next_embedding of another structure than its input embedding's "
+            f"({type(nxt).__name__} for {type(embedding).__name__})"
+        ) from None
+    for new, old in pairs:
+        want = f"[{rows}{''.join(f', {d}' for d in old.shape[1:])}] of dtype {old.dtype} like the input embedding"
+        if not isinstance(new, np.ndarray) or new.shape != (rows, *old.shape[1:]) or new.dtype != old.dtype:
+            got = f"{list(new.shape)} of dtype {new.dtype}" if isinstance(new, np.ndarray) else type(new).__name__
+            raise ValueError(f"{who} returned next_embedding {got}; expected an ndarray {want}")
+    return tuple(fields), numpy_map(np.ascontiguousarray, nxt)
+
+
+def _leaves(x: Any) -> list:
+    out: list = []
+    numpy_map(out.append, x)
+    return out
 
 
 class SearchOutput(NamedTuple):

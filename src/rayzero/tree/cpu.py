@@ -14,6 +14,11 @@ so the returned tree still holds the torch path's priors. The compiled softmax c
 last bits, which could change a decision only where two scores tie to within that: results are then within fp
 tolerance of the torch path, not bit for bit (no such tie occurs in the tests, which ask for equal trees).
 
+A `NumpyRecurrentFn` (base.py) with a one-tensor embedding takes `_numpy_waves`: its function gets numpy
+views of the search's buffers and returns numpy arrays, which `_wave_arrays` takes as they are (numba's
+dispatch reads an array faster than numpy hands its address to Python), so a wave makes no tensor; the
+softmax rules and so the bits are those of the torch protocol.
+
 Why numba: pip wheels for every platform and no compiler at install time (a C++ extension needs one, or a
 wheel per platform), native loops over numpy arrays, an on-disk cache so only a machine's first process
 compiles, and `nogil=True`, so self-play threads walk trees while another thread waits for the network.
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rayzero.tree.base import RecurrentOutput, SearchOutput
+from rayzero.tree.base import NumpyRecurrentFn, RecurrentOutput, SearchOutput, check_numpy_output
 from rayzero.tree.noise import GAMMA_PROPOSALS
 from rayzero.tree.tree import (
     DISCOUNT,
@@ -627,6 +632,25 @@ def _wave(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discou
     as addresses of float32 CPU tensors; p_emb = 0: the embeddings were written by the caller), then walk
     wave w and gather its leaves' parent embeddings into emb_in (dims[7] > 0). dims, cf and the mask are
     in the buffers' tails (`_init_search`)."""
+    _wave_step(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb)
+
+
+@_jit
+def _wave_arrays(fbuf, ibuf, emb_nodes, emb_in, w, prior, value, reward, discount, nxt):
+    """`_wave` for a NumpyRecurrentFn: wave w - 1's outputs as C-contiguous float32 arrays of the checked
+    shapes (prior: the logits for small batches) and nxt the next embeddings (C-contiguous, the tree's
+    dtype, any rank); size-0 arrays on the first wave. Arrays pass numba's dispatch faster than numpy
+    gives their addresses to Python."""
+    p_emb = np.int64(nxt.ctypes.data) if nxt.size > 0 else np.int64(0)
+    _wave_step(
+        fbuf, ibuf, emb_nodes, emb_in, w, np.int64(prior.ctypes.data), np.int64(value.ctypes.data),
+        np.int64(reward.ctypes.data), np.int64(discount.ctypes.data), p_emb,
+    )  # fmt: skip
+
+
+@_jit_inline
+def _wave_step(fbuf, ibuf, emb_nodes, emb_in, w, p_prior, p_value, p_reward, p_discount, p_emb):
+    """The body of `_wave` and `_wave_arrays`."""
     dims = _at(ibuf, ibuf.shape[0] - _NDIMS, (_NDIMS,))
     cf = _at(fbuf, fbuf.shape[0] - dims[13], (dims[13],))
     B, N, A, K, n = dims[0], dims[1], dims[2], dims[3], dims[4]
@@ -866,6 +890,7 @@ _FAST_EMBEDDINGS = {
     torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8,
 }  # fmt: skip
+_NUMPY_DTYPES = {t: torch.empty(0, dtype=t).numpy().dtype for t in _FAST_EMBEDDINGS}
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -1070,14 +1095,15 @@ def run_search(
     if fast:
         rest = tuple(embedding.shape[1:])
         D = math.prod(rest)
-        tree_embeddings = torch.zeros((B, N, *rest), dtype=embedding.dtype)
-        emb_nodes = tree_embeddings.numpy().reshape(B, N, D)
-        root_emb = embedding.detach().contiguous().numpy().reshape(B, D)
+        emb_nodes = np.zeros((B, N, D), _NUMPY_DTYPES[embedding.dtype])
+        tree_embeddings = torch.from_numpy(emb_nodes.reshape(B, N, *rest))
+        if embedding.requires_grad or not embedding.is_contiguous():
+            embedding = embedding.detach().contiguous()
+        root_emb = embedding.numpy().reshape(B, D)
         # Every wave's parent embeddings in one buffer (each wave's recurrent_fn input is a view of its
         # own row), unless that is large: then a fresh one-wave buffer per wave.
         per_search = W * K * B * D * root_emb.itemsize <= 4 << 20
         emb_in = np.empty((W if per_search else 1, K * B, D), root_emb.dtype)
-        emb_views = torch.from_numpy(emb_in.reshape(emb_in.shape[0], K * B, *rest)).unbind(0)
     else:
         rest, D = None, 0
         tree_embeddings = tree_map(
@@ -1085,7 +1111,7 @@ def run_search(
         )
         tree_map2(lambda dst, src: dst[:, 0].copy_(src), tree_embeddings, embedding)
         emb_nodes, root_emb = _DUMMY_F3, _DUMMY_F2
-        emb_in, per_search, emb_views = _DUMMY_F3, True, ()
+        emb_in, per_search = _DUMMY_F3, True
     tree = Tree(embeddings=tree_embeddings, **fields)
     small_at = tree_f + _small_offset(B, N, A, n, gumbel) if small else 0
     cf = _constants(n, K, config)
@@ -1102,13 +1128,22 @@ def run_search(
 
     # Each wave's actions: a row of the search's own buffer (recurrent_fn may keep its inputs).
     o = tree_i + 2 * K * B * N + 3 * K * B
-    flat_parent = torch.from_numpy(ibuf[o : o + K * B])
-    act_views = torch.from_numpy(ibuf[o + K * B : o + K * B + W * K * B].reshape(W, K * B)).unbind(0)
+    act_np = ibuf[o + K * B : o + K * B + W * K * B].reshape(W, K * B)
+    numpy_io = fast and per_search and isinstance(recurrent_fn, NumpyRecurrentFn)
+    if numpy_io:  # the outputs are numpy arrays: no tensors per wave
+        _numpy_waves(
+            recurrent_fn.fn, fbuf, ibuf, emb_nodes, emb_in, emb_in.reshape(W, K * B, *rest), act_np, n, K, B, A,
+            small,
+        )  # fmt: skip
+    else:
+        flat_parent = torch.from_numpy(ibuf[o : o + K * B])
+        act_views = torch.from_numpy(act_np).unbind(0)
+        emb_views = torch.from_numpy(emb_in.reshape(emb_in.shape[0], K * B, *rest)).unbind(0) if fast else ()
     p_prior = p_value = p_reward = p_discount = p_emb = 0
     emb_dtype = embedding.dtype if fast else None
     shapes = ((K * B,), (K * B, A), (K * B, *rest)) if fast else None
     kw = K
-    if fast and per_search:  # the common case, a one-tensor embedding: a lean loop, same steps as below
+    if fast and per_search and not numpy_io:  # a one-tensor embedding: a lean loop, same steps as below
         acts, embs = list(act_views), list(emb_views)
         wl = W - 1 if n % K else -1  # a last, partial wave
         if wl >= 0:
@@ -1159,7 +1194,7 @@ def run_search(
             if p_emb == 0:
                 _write_embeddings(tree_embeddings, 1 + w * K, kw, nxt)
         _wave(fbuf, ibuf, emb_nodes, emb_in, W, p_prior, p_value, p_reward, p_discount, p_emb)
-    for w in range(W + 1 if not (fast and per_search) else 0):
+    for w in range(W + 1 if not (fast and per_search) else 0):  # pytree or large embeddings
         if not per_search and w < W:
             emb_in = np.empty((1, K * B, D), root_emb.dtype)
             emb_views = (torch.from_numpy(emb_in.reshape(1, K * B, *rest))[0],)
@@ -1214,6 +1249,64 @@ def run_search(
         qvalues=torch.from_numpy(out_f[B * A : 2 * B * A].reshape(B, A)),
         tree=tree,
     )
+
+
+_NP_F32 = np.dtype(np.float32)
+_NO_OUTPUT_1 = np.zeros(0, np.float32)
+_NO_OUTPUT_2 = np.zeros((0, 0), np.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def _no_embedding(dtype: np.dtype, ndim: int) -> np.ndarray:
+    """A size-0 array of the embeddings' type for `_wave_arrays`' first wave (one compile per type)."""
+    return np.zeros((0,) * ndim, dtype)
+
+
+def _numpy_waves(
+    fn: Callable, fbuf: np.ndarray, ibuf: np.ndarray, emb_nodes: np.ndarray, emb_in: np.ndarray,
+    embs: np.ndarray, acts: np.ndarray, n: int, K: int, B: int, A: int, small: bool,
+) -> None:  # fmt: skip
+    """Every wave of a search with a NumpyRecurrentFn's `fn` (one-tensor embedding): `_wave_arrays`, then
+    fn on wave w's rows of `acts` [W, K * B] and `embs` [W, K * B, ...] (a view of emb_in [W, K * B, D]; the
+    search's buffers: each wave's rows are its own, fn may keep them). Outputs that are not C-contiguous float32 arrays of the wave's shapes with a
+    next embedding like the input take `check_numpy_output` (it converts, or raises)."""
+    W = acts.shape[0]
+    rest = embs.shape[2:]
+    nxt = _no_embedding(embs.dtype, 1 + len(rest))
+    prior = logits = _NO_OUTPUT_2
+    value = reward = discount = _NO_OUTPUT_1
+    rows = K * B
+    r, ra, re = (rows,), (rows, A), (rows, *rest)
+    one = rows == 1 and not rest  # arrays of shape [1]: C-contiguous whatever their stride
+    wl = W - 1 if n % K else -1  # a last, partial wave
+    F, E, ND, RO = _NP_F32, embs.dtype, np.ndarray, RecurrentOutput
+    for w in range(W):
+        _wave_arrays(fbuf, ibuf, emb_nodes, emb_in, w, prior, value, reward, discount, nxt)
+        if w == wl:
+            rows = (n - w * K) * B
+            r, ra, re = (rows,), (rows, A), (rows, *rest)
+            one = rows == 1 and not rest
+            emb = embs[w, :rows]
+            out, nxt = fn(acts[w, :rows], emb)
+        else:
+            emb = embs[w]
+            out, nxt = fn(acts[w], emb)
+        ok = False
+        if type(out) is RO and type(nxt) is ND:
+            reward, discount, logits, value = out
+            if type(reward) is ND and type(discount) is ND and type(logits) is ND and type(value) is ND:
+                ok = (
+                    reward.dtype is F and discount.dtype is F and logits.dtype is F and value.dtype is F
+                    and nxt.dtype is E and reward.shape == r and discount.shape == r and value.shape == r
+                    and logits.shape == ra and nxt.shape == re and logits.flags.c_contiguous
+                    and (one or (reward.flags.c_contiguous and discount.flags.c_contiguous
+                                 and value.flags.c_contiguous and nxt.flags.c_contiguous))
+                )  # fmt: skip
+        if not ok:
+            (reward, discount, logits, value), nxt = check_numpy_output(out, nxt, rows, A, emb)
+        # The torch path's softmax for large batches (MuZero's bits); small ones: the compiled softmax.
+        prior = logits if small else torch.softmax(torch.from_numpy(logits), dim=-1).numpy()
+    _wave_arrays(fbuf, ibuf, emb_nodes, emb_in, W, prior, value, reward, discount, nxt)
 
 
 def _write_embeddings(tree_embeddings: Any, first: int, kw: int, next_embedding: Any) -> None:

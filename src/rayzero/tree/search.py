@@ -60,6 +60,8 @@ def search(
     root: RootOutput(prior_logits [B, A], value [B], embedding [B, ...] tensor or pytree of them).
     recurrent_fn(action [B'] int64, embedding [B', ...]) -> (RecurrentOutput([B'], [B'], [B', A], [B']),
         next_embedding [B', ...]), with B' = B (B * K with virtual loss K; less on a last partial wave).
+        A `NumpyRecurrentFn` (base.py) wraps a function on numpy arrays instead: the compiled CPU tree calls it
+        without tensors; elsewhere it converts.
     invalid_actions: [B, A] bool, True = illegal at the root; None = all legal.
     generator: torch.Generator on the inputs' device, for every random draw; None = torch's default.
     noise: precomputed random inputs (noise.sample_noise); fields left None are drawn with `generator`.
