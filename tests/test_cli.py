@@ -77,6 +77,15 @@ def test_unknown_benchmark():
     assert_usage_error(rayzero("bench", "nosuchbench"), "nosuchbench", "tree")
 
 
+@pytest.mark.parametrize("args, words", [
+    (["selfplay", "--rows", "preset,nosuchrow"], ["nosuchrow", "envs64", "cpu"]),
+    (["selfplay", "--rows", ","], ["preset", "sims200"]),
+    (["tree", "--rows", "cpu"], ["--rows", "selfplay"]),
+])
+def test_bench_rows_are_checked_before_anything_runs(args, words):
+    assert_usage_error(rayzero("bench", *args), *words)
+
+
 def test_selfplay_benchmark_quick_writes_its_json(tmp_path):
     import json
 

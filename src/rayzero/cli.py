@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, help="inference: write a Chrome trace of the batcher here")
     bench.add_argument("--seconds", type=float, default=None,
                        help="selfplay: timed seconds per row (default 30, --quick 3)")
+    bench.add_argument("--rows", default=None,
+                       help="selfplay on a GPU host: comma-separated rows to run (preset, envs64, sims200, cpu; "
+                            "default all)")
     bench.add_argument("--kill-every", type=float, default=None,
                        help="faults: seconds between self-play actor kills (default 10)")
     bench.add_argument("--seeds", type=int, default=None,
@@ -151,6 +154,8 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError("--seconds is only for `rayzero bench selfplay`")
         if not args.seconds > 0:
             raise UsageError(f"--seconds must be > 0, got {args.seconds}")
+    if args.rows is not None and args.name != "selfplay":
+        raise UsageError("--rows is only for `rayzero bench selfplay`")
     if args.kill_every is not None or args.seeds is not None:
         if args.name != "faults":
             raise UsageError("--kill-every and --seeds are only for `rayzero bench faults`")
@@ -166,7 +171,10 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError("--trace is only for `rayzero bench inference`")
         module.main(quick=args.quick, json_path=args.json, trace_path=args.trace)
     elif args.name == "selfplay":
-        module.main(quick=args.quick, json_path=args.json, seconds=args.seconds)
+        rows = None if args.rows is None else [r.strip() for r in args.rows.split(",") if r.strip()]
+        if rows is not None and (not rows or any(r not in module.GPU_ROWS for r in rows)):
+            raise UsageError(f"--rows={args.rows!r}: valid rows are {', '.join(module.GPU_ROWS)}")
+        module.main(quick=args.quick, json_path=args.json, seconds=args.seconds, only=rows)
     else:
         module.main(quick=args.quick, json_path=args.json)
     return 0

@@ -7,12 +7,13 @@ actors stepping the same envs with random actions), their ratio, the decision la
 every env of an actor waits one batched step for its next action), one env alone (p50, p99), GPU utilisation
 and energy per env step (NVML), and how full the inference actor's batches were. On a GPU host the
 default rows are the `atari` preset at 50 simulations with its envs per actor and with 64, at 200 simulations,
-and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor).
+and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor);
+`--rows preset,envs64,sims200,cpu` picks some of them (a device call may not have time for all four).
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
 
-    rayzero bench selfplay [--quick] [--seconds S] [--json PATH]   # --quick: cartpole, CPU, a few seconds per phase
+    rayzero bench selfplay [--quick] [--seconds S] [--rows R,..] [--json PATH]   # --quick: cartpole, CPU, a few seconds per phase
 """
 
 from __future__ import annotations
@@ -213,7 +214,14 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     return row
 
 
-def main(quick: bool = False, json_path: str | None = None, seconds: float | None = None) -> dict[str, Any]:
+GPU_ROWS = {"preset": [], "envs64": ["env.num_envs=64"], "sims200": ["search.num_simulations=200"],
+            "cpu": ["search.device=cpu"]}
+"""The rows on a GPU host: the preset, then 64 envs per actor (searches of 4x the roots: the one-GPU-host issue's
+question), 200 simulations, and the trees walked on the CPU."""
+
+
+def main(quick: bool = False, json_path: str | None = None, seconds: float | None = None,
+         only: list[str] | None = None) -> dict[str, Any]:
     import ray
 
     import torch as _torch
@@ -222,13 +230,16 @@ def main(quick: bool = False, json_path: str | None = None, seconds: float | Non
     from rayzero.config import ClusterConfig
 
     gpu = _torch.cuda.is_available()
+    unknown = [r for r in only or () if r not in GPU_ROWS]
+    if unknown or (only is not None and not only):
+        raise ValueError(f"bench selfplay rows {only!r}: valid rows are {', '.join(GPU_ROWS)}")
+    if only is not None and (quick or not gpu):
+        raise ValueError("bench selfplay --rows picks rows of the GPU host's table; this run has "
+                         + ("--quick" if quick else "no GPU"))
     if quick:
         variants = [("cartpole", ["inference.mode=central", "cluster.num_selfplay_actors=1", "env.num_envs=8"])]
     elif gpu:
-        # The preset, then 64 envs per actor (searches of 4x the roots: the one-GPU-host issue's question), 200
-        # simulations, and the trees walked on the CPU.
-        variants = [("atari", []), ("atari", ["env.num_envs=64"]), ("atari", ["search.num_simulations=200"]),
-                    ("atari", ["search.device=cpu"])]
+        variants = [("atari", GPU_ROWS[r]) for r in (only or GPU_ROWS)]
     else:
         variants = [("cartpole", ["inference.mode=central"])]
     if seconds is None:
