@@ -67,6 +67,10 @@ def main() -> None:
             print(f"{label}: step {step:4d}  grad {m['grad_norm']:8.2f}  consistency {m['consistency_loss']:7.3f}  "
                   f"reward {m['reward_loss']:6.3f}  value {m['value_loss']:6.3f}  {time.perf_counter() - start:5.0f} s",
                   flush=True)
+            if step < 3 * args.every:  # where a large gradient sits (after clipping, which scales all alike)
+                norms = sorted(((p.grad.norm().item(), name) for name, p in learner.loss_module.named_parameters()
+                                if p.grad is not None), reverse=True)[:4]
+                print("    largest gradients: " + ", ".join(f"{name} {norm:.3g}" for norm, name in norms), flush=True)
 
 
 if __name__ == "__main__":
