@@ -79,12 +79,27 @@ def test_self_play_stores_the_episodes_rewards_policies_and_search_values():
         assert np.all(np.isfinite(s.root_values))
         if s.terminal:
             assert step[-1] == T - 1 and s.num_sampleable == len(s.actions)
-        else:  # a cut mid-episode: the first segment_length positions start unrolls, the tail completes them
-            assert len(s.actions) == 5 + 2 + 3 and s.num_sampleable == 5
+        else:  # a cut mid-episode: the first positions (segment_length of them, fewer in an env's first
+            # segment) start unrolls, the tail completes them
+            assert len(s.actions) == s.num_sampleable + 2 + 3 and 1 <= s.num_sampleable <= 5
             np.testing.assert_array_equal(np.diff(step), 1)
     # Every step of the two whole episodes each env played starts exactly one sampleable position.
     starts = np.concatenate([s.obs.argmax(1)[:s.num_sampleable] for s in segments])
     assert np.bincount(starts, minlength=T).tolist() == [2 * 3] * T
+
+
+def test_envs_that_start_together_send_their_first_segments_staggered():
+    """Env i of E cuts its first segment after (i + 1) / E of segment_length sampleable positions, so the
+    envs' segments do not all reach replay on the same step; every later cut holds segment_length."""
+    cfg = ReplayConfig(capacity=1000, unroll_steps=1, td_steps=1, discount=GAMMA, segment_length=4, min_size=0)
+    segments, _ = play(cfg, T, num_envs=4)  # one episode each: steps 0..T-1
+    cuts = [s for s in segments if not s.terminal]
+    first = sorted(s.num_sampleable for s in cuts if s.obs[0].argmax() == 0)
+    assert first == [1, 2, 3, 4]
+    assert all(s.num_sampleable == 4 for s in cuts if s.obs[0].argmax() != 0)
+    # Each episode's positions still start exactly one sampleable position each.
+    starts = np.concatenate([s.obs.argmax(1)[:s.num_sampleable] for s in segments])
+    assert np.bincount(starts, minlength=T).tolist() == [4] * T
 
 
 def test_replay_targets_equal_hand_computed_n_step_returns():

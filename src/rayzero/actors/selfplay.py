@@ -8,7 +8,8 @@ while the other half's tree walk runs.
 Each env writes its steps into preallocated per-env arrays. A segment leaves when the episode ends, or when
 `segment_length + unroll_steps + td_steps` steps have piled up: then the first `segment_length` positions
 are sampleable and the rest is a tail that completes their targets; the tail stays and starts the next
-segment, so no position is lost or duplicated as a start.
+segment, so no position is lost or duplicated as a start. Each env's first segment is shorter by a different
+amount, so envs that start together do not send their segments in bursts.
 
 Faults: a step whose search fails because the inference actor died is not recorded (nothing of it reached the
 buffers), so `collect` ends early with `inference_lost` and the driver hands over a new actor
@@ -86,6 +87,10 @@ class SelfPlayWorker:
         self.buf_policy = np.zeros((E, W, A), dtype=np.float32)
         self.buf_value = np.zeros((E, W), dtype=np.float32)
         self.length = np.zeros(E, dtype=np.int64)
+        # Staggered first segments: env i's first segment makes (i + 1) / E of segment_length positions
+        # sampleable, so envs that start together send their segments spread over segment_length steps, not in
+        # one burst per segment_length (later segments and segments of new episodes are whole).
+        self.emit_at = self.tail + np.maximum(1, (np.arange(1, E + 1) * replay_cfg.segment_length) // E)
         self.env_steps = 0
         self.discarded = 0  # positions dropped unsent: their episode's bootstrap value was lost with the network
         self._network_lost = ""  # set by a step whose bootstrap evaluation found the inference actor dead
@@ -225,12 +230,14 @@ class SelfPlayWorker:
             n = int(self.length[env])
             segments.append(self._emit(env, n, n, bool(result.terminated[i]), float(bootstrap[i])))
             self.length[env] = 0
-        for env in rows[self.length[rows] == self.window]:
-            segments.append(self._emit(env, self.window, self.replay_cfg.segment_length, False, 0.0))
-            keep = slice(self.window - self.tail, self.window)
+        for env in rows[self.length[rows] == self.emit_at[rows]]:
+            window = int(self.emit_at[env])
+            segments.append(self._emit(env, window, window - self.tail, False, 0.0))
+            keep = slice(window - self.tail, window)
             for buf in (self.buf_obs, self.buf_action, self.buf_reward, self.buf_policy, self.buf_value):
                 buf[env, : self.tail] = buf[env, keep]
             self.length[env] = self.tail
+            self.emit_at[env] = self.window
         self._last_episodes[0].extend(result.episode_returns)
         self._last_episodes[1].extend(result.episode_lengths)
         return segments
