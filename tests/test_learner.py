@@ -1,5 +1,7 @@
 """Learner: the loss learns a fixed batch, checkpoints restore exactly, corrupt files fail clearly."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -681,3 +683,29 @@ def test_resnet_dynamics_tells_actions_apart_whose_codes_are_neighbours():
     for action in range(6):
         rows = actions == action
         assert (predicted[rows] - target[rows]).abs().max() < 0.5, (action, predicted[rows])
+
+
+def test_sgd_steps_are_heavy_ball_momentum_with_l2_weight_decay():
+    """learner.optimizer=sgd: p <- p - lr * b, b <- momentum * b + (g + wd * p), checked against the gradients
+    of two steps on a fixed batch (no clipping, no warm-up: the step uses lr as given)."""
+    lr, momentum, wd = 0.2, 0.9, 1e-2
+    cfg = dataclasses.replace(LEARNER, optimizer="sgd", lr=lr, momentum=momentum, weight_decay=wd, grad_clip=0.0)
+    learner = Learner(MODEL, cfg, (4,), 2, seed=0)
+    batch = filled_replay().sample(32)
+    params = [p for _, p in learner.loss_module.named_parameters()]
+    before = [p.detach().clone() for p in params]
+    learner.step(batch)
+    grads = [p.grad.detach().clone() for p in params]
+    buffers = [g + wd * p0 for g, p0 in zip(grads, before)]
+    for p, p0, b in zip(params, before, buffers):
+        torch.testing.assert_close(p.detach(), p0 - lr * b)
+    middle = [p.detach().clone() for p in params]
+    learner.step(batch)
+    for p, p1, b, g in zip(params, middle, buffers, (p.grad.detach().clone() for p in params)):
+        torch.testing.assert_close(p.detach(), p1 - lr * (momentum * b + g + wd * p1))
+    assert isinstance(learner.optimizer, torch.optim.SGD)
+
+
+def test_an_unknown_optimizer_is_a_clear_config_error():
+    with pytest.raises(ValueError, match="optimizer.*'adamw' or 'sgd'"):
+        LearnerConfig(optimizer="lamb")

@@ -149,3 +149,38 @@ def test_random_shifts_differ_between_replays_of_the_compiled_step():
     outs = [step(images).clone() for _ in range(4)]
     assert all(o.dtype == torch.uint8 for o in outs)
     assert not torch.equal(outs[2], outs[3]), "the compiled shift repeated its offsets"
+
+
+def test_fused_sgd_on_cuda_steps_as_heavy_ball_momentum():
+    """learner.optimizer=sgd on CUDA (fused kernel, the compiled step with CUDA graphs): the first step is
+    p - lr * (g + wd * p), the second adds momentum times the first step's buffer."""
+    import dataclasses
+
+    from rayzero.config import LearnerConfig, ReplayConfig
+    from rayzero.learner import Learner
+    from rayzero.replay import ReplayBuffer, Segment
+
+    rng = np.random.default_rng(0)
+    replay = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=3, td_steps=3, discount=0.9, min_size=0), 0)
+    for _ in range(5):
+        replay.add(Segment(obs=rng.normal(size=(30, 4)).astype(np.float32), actions=rng.integers(0, 2, size=30),
+                           rewards=rng.normal(size=30).astype(np.float32),
+                           policies=rng.dirichlet(np.ones(2), size=30).astype(np.float32),
+                           root_values=rng.normal(size=30).astype(np.float32), num_sampleable=30, terminal=True,
+                           bootstrap_value=0.0))
+    lr, momentum, wd = 0.2, 0.9, 1e-2
+    cfg = LearnerConfig(batch_size=32, lr=lr, lr_warmup_steps=0, device="cuda", optimizer="sgd", momentum=momentum,
+                        weight_decay=wd, grad_clip=0.0)
+    cfg = dataclasses.replace(cfg, compile=True, compile_mode="reduce-overhead")
+    learner = Learner(ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=10), cfg, (4,), 2, seed=0)
+    batch = replay.sample(32)
+    params = [p for _, p in learner.loss_module.named_parameters()]
+    for _ in range(3):  # compile and capture first
+        learner.step(batch)
+    before = [p.detach().clone() for p in params]
+    buffers = [learner.optimizer.state[p]["momentum_buffer"].clone() for p in params]
+    learner.step(batch)
+    for p, p0, b in zip(params, before, buffers):
+        expected = p0 - lr * (momentum * b + p.grad + wd * p0)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert isinstance(learner.optimizer, torch.optim.SGD) and learner.optimizer.defaults["fused"]

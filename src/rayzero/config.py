@@ -224,8 +224,14 @@ class LearnerConfig:
 
     batch_size: int = 256
     """Samples per learner step."""
+    optimizer: str = "adamw"
+    """'adamw', or 'sgd' with momentum (learner.momentum): EfficientZero's and LightZero's Atari optimizer
+    (SGD at lr 0.2, momentum 0.9, weight decay 1e-4), whose step follows the gradient's size where AdamW
+    normalises it away per parameter."""
+    momentum: float = 0.9
+    """Momentum of learner.optimizer=sgd (unused by adamw)."""
     lr: float = 3e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of the optimizer."""
     lr_warmup_steps: int = 200
     """Linear warm-up steps."""
     lr_decay_steps: int = 0
@@ -233,7 +239,7 @@ class LearnerConfig:
     lr_final_fraction: float = 0.1
     """See lr_decay_steps."""
     weight_decay: float = 1e-4
-    """AdamW weight decay."""
+    """Weight decay: decoupled for AdamW, an L2 term in the gradient for SGD (as torch.optim.SGD applies it)."""
     grad_clip: float = 5.0
     """Global gradient norm clip (0 = off)."""
     value_loss_weight: float = 0.25
@@ -298,6 +304,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         _check("learner", self, [
             ("batch_size", self.batch_size >= 1, ">= 1"),
+            ("optimizer", self.optimizer in ("adamw", "sgd"), "'adamw' or 'sgd'"),
+            ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
             ("lr", self.lr > 0, "> 0"),
             ("lr_warmup_steps", self.lr_warmup_steps >= 0, ">= 0"),
             ("lr_decay_steps", self.lr_decay_steps >= 0, ">= 0"),

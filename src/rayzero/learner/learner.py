@@ -1,8 +1,8 @@
-"""The learner role: MuZero updates with AdamW, a weight version counter, save and load.
+"""The learner role: MuZero updates with AdamW (or SGD with momentum), a weight version counter, save and load.
 
 `Learner` is a plain class (tests use it in-process); `cluster/` makes it a Ray actor, or `LearnerGroup`
 (learner/group.py) runs several as DDP ranks. One update (`_update`) is: optional target-network bootstraps,
-the loss module's forward under bf16 autocast, backward, global-norm clipping, AdamW (fused on CUDA).
+the loss module's forward under bf16 autocast, backward, global-norm clipping, AdamW or SGD (fused on CUDA).
 On CUDA the loss module is torch.compile'd, by default with CUDA graphs ('reduce-overhead'), since the
 compiled step is otherwise bound by Python launching its kernels (docs/benchmarks.md). If compiling or the
 first steps fail, the learner falls back to the plain compile mode, then to eager, and logs why (compiler errors
@@ -150,10 +150,14 @@ class Learner:
         if distributed:
             self._join_ranks()
         cuda = self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(
-            self.loss_module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-            **({"fused": True} if cuda else {"foreach": True}),
-        )
+        kernels = {"fused": True} if cuda else {"foreach": True}
+        if cfg.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                self.loss_module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                **kernels)
+        else:
+            self.optimizer = torch.optim.AdamW(self.loss_module.parameters(), lr=cfg.lr,
+                                               weight_decay=cfg.weight_decay, **kernels)
         self.target = None
         self._compiled_bootstrap: Any | None = None
         if cfg.target_update_interval:
