@@ -42,6 +42,10 @@ def _mlp_model(A: int, D: int, device: str, seed: int = 0):
     return fn
 
 
+def _id(c: SearchConfig) -> str:
+    return f"{c.policy}-{c.temperature}-{c.gumbel_scale}" + (f"-minq{c.min_q_range}" if c.min_q_range else "")
+
+
 CONFIGS = [
     SearchConfig(policy="muzero", dirichlet_fraction=0.25, temperature=1.0),
     SearchConfig(policy="muzero", dirichlet_fraction=0.0, temperature=0.0),
@@ -59,7 +63,7 @@ def _invalid(B: int, A: int, device: str) -> torch.Tensor:
     return invalid.to(device)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.policy}-{c.temperature}-{c.gumbel_scale}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: _id(c))
 @pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
 def test_cpu_and_cuda_agree(config, use_triton):
     B, A, n = 24, 6, 40
@@ -82,7 +86,7 @@ def test_cpu_and_cuda_agree(config, use_triton):
 
 
 @needs_triton
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.policy}-{c.temperature}-{c.gumbel_scale}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: _id(c))
 def test_triton_matches_torch_path(config):
     B, A, D, n = 256, 18, 32, 50
     fn = _mlp_model(A, D, CUDA)
@@ -145,7 +149,7 @@ def test_cuda_graph_replay_equals_eager(config, use_triton):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.policy}-{c.temperature}-{c.gumbel_scale}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: _id(c))
 @pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
 def test_eager_search_has_no_host_sync(config, use_triton):
     B, A, D, n = 32, 6, 16, 10
