@@ -18,7 +18,9 @@ Rows per (GPUs, batch per GPU) for batch 1024 and 256; on GPUs also the NHWC lay
 1024 on one GPU. Scaling efficiency = samples/s on N GPUs / (N x samples/s on one), same per-GPU batch.
 --quick: CPU sized (3x32x32 observations, a 16-channel net, batch 16 and 32, 1 and 2 gloo ranks), < 60 s.
 Options for short device sessions: --batches, --compile-mode, --no-alternatives, --overlap (the 2-GPU group
-compiles together with the 1-GPU learner), --short, --capacity.
+compiles together with the 1-GPU learner), --short, --capacity. `--preset atari [overrides]`: only the real loop
+and bare step of that preset's own learner (target network and all), the reference a training run's learner is
+compared with.
 
 Run: `rayzero bench learner [--quick] [--json PATH]` or `python -m rayzero.bench.learner [options]`.
 """
@@ -344,6 +346,41 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             "seconds": time.perf_counter() - began}
 
 
+def preset_row(preset: str, overrides: list[str], sizes: Sizes, gpu: bool) -> dict[str, Any]:
+    """The real loop and the bare step of a preset's own learner: its learner, model and replay sections (target
+    network, consistency loss, batch, steps per call) on random segments of its env's observation shape, on one
+    whole GPU. This is the "measured alone" reference that the one-GPU-host issue compares a training run's
+    learner with (observations stored whole here: replay.frame_stack=0)."""
+    from rayzero import config as config_lib
+    from rayzero.envs import env_spec
+
+    cfg = config_lib.load(preset, [*overrides, "replay.frame_stack=0", f"replay.capacity={sizes.capacity}",
+                                   "replay.min_size=0", "replay.shared_obs=true"])
+    spec = env_spec(cfg.env)
+    learner_cfg = dataclasses.replace(cfg.learner, device="cuda" if gpu else "cpu")
+    replay = ray.remote(SyntheticReplay).options(num_cpus=0).remote(cfg.replay, 0)
+    filled = ray.get(replay.fill.remote(spec.observation_shape, spec.num_actions))
+    learner = ray.remote(Learner).options(num_cpus=0, num_gpus=1 if gpu else 0).remote(
+        cfg.model, learner_cfg, spec.observation_shape, spec.num_actions, 0, 1)
+    try:
+        t0 = time.perf_counter()
+        info = ray.get(learner.train.remote(replay, learner_cfg.steps_per_call))  # compiles and captures
+        print(f"{preset} learner: warm in {time.perf_counter() - t0:.1f}s (compile {info['compile']})", flush=True)
+        v = Variant(learner_cfg.batch_size, compile=learner_cfg.compile, compile_mode=learner_cfg.compile_mode,
+                    channels_last=learner_cfg.channels_last, prefetch=learner_cfg.prefetch,
+                    manual_gc=learner_cfg.manual_gc)
+        row = _measure(dataclasses.replace(sizes, steps_per_call=learner_cfg.steps_per_call), learner, replay, 1, v)
+    finally:
+        _stop(learner)
+        ray.kill(replay)
+    row.update({"preset": preset, "overrides": overrides, "obs_shape": list(spec.observation_shape),
+                "warm_seconds": time.perf_counter() - t0, "replay": filled,
+                "target_network": learner_cfg.target_update_interval > 0,
+                "consistency_weight": learner_cfg.consistency_weight})
+    print("  " + _row_text(row), flush=True)
+    return row
+
+
 def reanalyse_rates(sizes: Sizes, gpu: bool, batches: tuple[int, ...] = (256, 1024), sims: int = 50,
                     repeats: int = 3) -> list[dict[str, Any]]:
     """Positions re-searched per second by one `ReanalyseWorker` (its `targets`: root inference plus one
@@ -480,7 +517,24 @@ if __name__ == "__main__":
     parser.add_argument("--long-calls", type=int, default=0,
                         help="also time one call of this many steps per row (the loop's per-call cost)")
     parser.add_argument("--timed-calls", type=int, default=0, help="timed calls per row (default 3)")
+    parser.add_argument("--preset", default="",
+                        help="only the real loop and bare step of this preset's own learner (e.g. atari)")
+    parser.add_argument("overrides", nargs="*", help="with --preset: section.field=value overrides")
     args = parser.parse_args()
+    if args.overrides and not args.preset:
+        parser.error("overrides go with --preset")
+    if args.preset:
+        ray.init(address="local", include_dashboard=False, **({"num_cpus": 2} if args.quick else {}))
+        try:
+            gpu = int(ray.cluster_resources().get("GPU", 0)) >= 1 and not args.quick
+            sizes = QUICK if args.quick else FULL
+            if args.capacity:
+                sizes = dataclasses.replace(sizes, capacity=args.capacity)
+            result = preset_row(args.preset, args.overrides, sizes, gpu)
+            write_json(args.json, "learner_preset", {"quick": args.quick, "rows": [result]})
+        finally:
+            ray.shutdown()
+        raise SystemExit(0)
     main(args.quick, args.json, tuple(int(b) for b in args.batches.split(",") if b), args.compile_mode,
          not args.no_alternatives, args.overlap, args.capacity or None, args.short,
          tuple(args.grad_sync.split(",")), tuple(int(p) for p in args.prefetch.split(",")),
