@@ -16,9 +16,9 @@ tail -3 "$out/pytest_gpu.txt"
 timeout 60 python3 scripts/consistency_probe.py --device cuda --batch 256 --steps 100 --every 10 \
     > "$out/consistency_eager.txt" 2>&1
 grep -v "A.L.E\|Stella" "$out/consistency_eager.txt" | tail -16
-timeout 150 python3 scripts/consistency_probe.py --device cuda --compile --batch 256 --steps 150 --every 10 \
+timeout 180 python3 scripts/consistency_probe.py --device cuda --compile --batch 256 --steps 150 --every 10 \
     > "$out/consistency_compiled.txt" 2>&1
 grep -v "A.L.E\|Stella\|arn\|softmax\|Inductor\|PyTorch\|^ *$" "$out/consistency_compiled.txt" | tail -20
-timeout 150 python3 -m rayzero bench selfplay --rows cpu --seconds 10 --json "$out/bench_selfplay_cpu.json" \
+timeout 170 python3 -m rayzero bench selfplay --rows cpu --seconds 10 --json "$out/bench_selfplay_cpu.json" \
     > "$out/bench_selfplay_cpu.txt" 2>&1
 grep "^served" "$out/bench_selfplay_cpu.txt" || tail -5 "$out/bench_selfplay_cpu.txt"
