@@ -6,7 +6,7 @@
 #      and where do the first steps' large gradients sit (Pong runs 2 and 10: norm 80-90, cosine ~0);
 #   3. `rayzero bench selfplay --rows cpu`: CPU-search mode on the GPU host (never finished inside a call).
 #
-#   source .device/install.sh && bash scripts/device_checks.sh      # about 8 minutes; logs under $OUT
+#   source .device/install.sh && bash scripts/device_checks.sh      # about 9 minutes; logs under $OUT
 set -u
 out=${OUT:-/tmp/device_checks}
 mkdir -p "$out"
