@@ -709,3 +709,22 @@ def test_sgd_steps_are_heavy_ball_momentum_with_l2_weight_decay():
 def test_an_unknown_optimizer_is_a_clear_config_error():
     with pytest.raises(ValueError, match="optimizer.*'adamw' or 'sgd'"):
         LearnerConfig(optimizer="lamb")
+
+
+def test_sgd_momentum_buffers_resume_exactly(tmp_path):
+    """A checkpoint of an SGD learner holds its momentum buffers: the resumed learner continues bit for bit
+    (without them its next steps would differ)."""
+    cfg = dataclasses.replace(LEARNER, optimizer="sgd", lr=0.05)
+    replay = filled_replay()
+    batches = [replay.sample(32) for _ in range(5)]
+    learner = Learner(MODEL, cfg, (4,), 2, seed=0)
+    for batch in batches[:2]:
+        learner.step(batch)
+    learner.save(str(tmp_path))
+    resumed = Learner(MODEL, cfg, (4,), 2, seed=3)
+    resumed.load(str(tmp_path))
+    for batch in batches[2:]:
+        m1, p1 = learner.step(batch)
+        m2, p2 = resumed.step(batch)
+        assert m1 == m2
+        np.testing.assert_array_equal(p1, p2)
