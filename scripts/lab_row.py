@@ -3,8 +3,9 @@
     python3 scripts/lab_row.py RUN_DIR_OR_METRICS_JSONL [--at 120,300,420] [--dmon dmon.txt]
 
 Prints: when the first update landed, updates and env steps by each time, the self-play return and the greedy
-evaluations, the diagnostics averaged over the last 5 learner rows, and the mean GPU utilisation from an
-`nvidia-smi dmon -s u` log.
+evaluations, the first learner rows' gradient norm and consistency loss, the learner's rate over the last 200 s
+(and the share of it spent inside its calls), the diagnostics averaged over the last 5 learner rows, and the mean
+GPU utilisation from an `nvidia-smi dmon -s u` log.
 """
 
 from __future__ import annotations
@@ -41,7 +42,21 @@ def main() -> None:
             print(f"  eval at {r['wall_seconds']:4.0f} s: {r['eval_return_mean']:6.1f} +- {r.get('eval_return_std', 0):.1f}"
                   f" ({r.get('eval_episodes')} games, {r.get('eval_seconds', 0):.0f} s, version {r.get('eval_last_version')},"
                   f" updates {r.get('learner_steps')})")
-    learner = [r for r in rows if "policy_loss" in r][-5:]
+    learning = [r for r in rows if "policy_loss" in r]
+    if learning:  # the first learner rows: a blow-up at the start (Pong runs 2 and 10) shows here
+        print("  first rows: " + ", ".join(f"{r['learner_steps']} updates: grad {r.get('grad_norm', 0):.3g} "
+                                           f"consistency {r.get('consistency_loss', 0):.3f}" for r in learning[:3]))
+    timed = [r for r in rows if r.get("steps_per_second") and r.get("learner_steps")]
+    if len(timed) > 2:  # the share of wall time inside learner calls, and the rate inside them
+        window = [r for r in timed if r["wall_seconds"] >= timed[-1]["wall_seconds"] - 200]
+        inside = sum((b["learner_steps"] - a["learner_steps"]) / b["steps_per_second"]
+                     for a, b in zip(window, window[1:]))
+        wall = window[-1]["wall_seconds"] - window[0]["wall_seconds"]
+        steps = window[-1]["learner_steps"] - window[0]["learner_steps"]
+        if wall > 0 and inside > 0:
+            print(f"  learner over the last {wall:.0f} s: {steps / wall:.1f} updates/s, {inside / wall:.0%} of the time "
+                  f"in its calls at {steps / inside:.1f} updates/s")
+    learner = learning[-5:]
     if learner:
         means = {k: sum(r[k] for r in learner if k in r) / max(1, sum(k in r for r in learner)) for k in DIAGNOSTICS}
         print("  last rows: " + "  ".join(f"{k} {v:.3g}" for k, v in means.items()))
