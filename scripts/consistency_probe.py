@@ -7,7 +7,11 @@ Why: in Pong runs 2 and 10 (RGB 96x96, target network, on the H200, compiled, bf
 with a starting norm of 3.8. On the CPU (eager, fp32 or bf16 autocast) the RGB preset trains it (-0.77 after
 200 updates at batch 32, norm 4.5). This script repeats that on a GPU, eager and compiled.
 
-    python3 scripts/consistency_probe.py [--device cuda] [--compile] [--batch 256] [--steps 150] [overrides ...]
+    python3 scripts/consistency_probe.py [--device cuda] [--compile] [--batch 256] [--steps 150] [--consistency W]
+                                         [overrides ...]
+
+Also a quick stability check of other learner settings on real frames (e.g. `--consistency 0
+learner.optimizer=sgd learner.lr=0.2`).
 """
 from __future__ import annotations
 
@@ -30,10 +34,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--consistency", type=float, default=2.0, help="learner.consistency_weight (0: off)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = config_mod.load("atari", [
-        *args.overrides, "learner.consistency_weight=2", "replay.next_obs=true", f"learner.device={args.device}",
+        *args.overrides, f"learner.consistency_weight={args.consistency}", f"replay.next_obs={str(args.consistency > 0).lower()}",
+        f"learner.device={args.device}",
         f"learner.batch_size={args.batch}", f"learner.compile={str(args.compile).lower()}", "replay.frame_stack=0",
         "replay.shared_obs=false", "replay.capacity=5000", "replay.min_size=100"])
     env = make_vector_env(cfg.env, 4, seed=0, training=True)
