@@ -457,6 +457,15 @@ def test_a_learner_with_random_shifts_trains_the_consistency_loss():
     assert seen.shape == images.shape and not torch.equal(seen, images)  # the representation sees shifted images
 
 
+def assert_same_steps(learner, resumed, batches):
+    """Both learners take the same steps on `batches`: equal metrics and priorities, bit for bit."""
+    for batch in batches:
+        m1, p1 = learner.step(batch)
+        m2, p2 = resumed.step(batch)
+        assert m1 == m2
+        np.testing.assert_array_equal(p1, p2)
+
+
 def test_options_resume_exactly(tmp_path):
     """Target network, consistency heads, value prefix and NHWC: resuming from a checkpoint continues bit for
     bit."""
@@ -476,11 +485,7 @@ def test_options_resume_exactly(tmp_path):
     learner.save(str(tmp_path))
     resumed = Learner(model, learner_cfg, (3, 16, 16), 3, seed=5)
     resumed.load(str(tmp_path))
-    for batch in batches[3:]:
-        m1, p1 = learner.step(batch)
-        m2, p2 = resumed.step(batch)
-        assert m1 == m2
-        np.testing.assert_array_equal(p1, p2)
+    assert_same_steps(learner, resumed, batches[3:])
     for t1, t2 in zip(learner.target.state_dict().values(), resumed.target.state_dict().values()):
         torch.testing.assert_close(t1, t2, rtol=0, atol=0)
 
@@ -723,8 +728,4 @@ def test_sgd_momentum_buffers_resume_exactly(tmp_path):
     learner.save(str(tmp_path))
     resumed = Learner(MODEL, cfg, (4,), 2, seed=3)
     resumed.load(str(tmp_path))
-    for batch in batches[2:]:
-        m1, p1 = learner.step(batch)
-        m2, p2 = resumed.step(batch)
-        assert m1 == m2
-        np.testing.assert_array_equal(p1, p2)
+    assert_same_steps(learner, resumed, batches[2:])

@@ -172,8 +172,10 @@ def _bench(args: argparse.Namespace) -> int:
         module.main(quick=args.quick, json_path=args.json, trace_path=args.trace)
     elif args.name == "selfplay":
         rows = None if args.rows is None else [r.strip() for r in args.rows.split(",") if r.strip()]
-        if rows is not None and (not rows or any(r not in module.GPU_ROWS for r in rows)):
-            raise UsageError(f"--rows={args.rows!r}: valid rows are {', '.join(module.GPU_ROWS)}")
+        try:
+            module.check_rows(rows)  # before Ray starts
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         module.main(quick=args.quick, json_path=args.json, seconds=args.seconds, only=rows)
     else:
         module.main(quick=args.quick, json_path=args.json)

@@ -220,6 +220,13 @@ GPU_ROWS = {"preset": [], "envs64": ["env.num_envs=64"], "sims200": ["search.num
 question), 200 simulations, and the trees walked on the CPU."""
 
 
+def check_rows(only: list[str] | None) -> list[str] | None:
+    """`only` (rows of GPU_ROWS, None = all) as given, or a ValueError naming what is valid."""
+    if only is not None and (not only or any(r not in GPU_ROWS for r in only)):
+        raise ValueError(f"bench selfplay rows {only!r}: valid rows are {', '.join(GPU_ROWS)}")
+    return only
+
+
 def main(quick: bool = False, json_path: str | None = None, seconds: float | None = None,
          only: list[str] | None = None) -> dict[str, Any]:
     import ray
@@ -230,9 +237,7 @@ def main(quick: bool = False, json_path: str | None = None, seconds: float | Non
     from rayzero.config import ClusterConfig
 
     gpu = _torch.cuda.is_available()
-    unknown = [r for r in only or () if r not in GPU_ROWS]
-    if unknown or (only is not None and not only):
-        raise ValueError(f"bench selfplay rows {only!r}: valid rows are {', '.join(GPU_ROWS)}")
+    check_rows(only)
     if only is not None and (quick or not gpu):
         raise ValueError("bench selfplay --rows picks rows of the GPU host's table; this run has "
                          + ("--quick" if quick else "no GPU"))
