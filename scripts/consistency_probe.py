@@ -35,13 +35,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--consistency", type=float, default=2.0, help="learner.consistency_weight (0: off)")
+    parser.add_argument("--path", choices=("direct", "cache"), default="direct",
+                        help="direct: batches with observations attached (stacked, no shared memory); cache: a run's "
+                             "path, frames in shared memory (replay.frame_stack=4) gathered by the learner's Staging "
+                             "through its device observation cache")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = config_mod.load("atari", [
         *args.overrides, f"learner.consistency_weight={args.consistency}", f"replay.next_obs={str(args.consistency > 0).lower()}",
         f"learner.device={args.device}",
-        f"learner.batch_size={args.batch}", f"learner.compile={str(args.compile).lower()}", "replay.frame_stack=0",
-        "replay.shared_obs=false", "replay.capacity=5000", "replay.min_size=100"])
+        f"learner.batch_size={args.batch}", f"learner.compile={str(args.compile).lower()}",
+        *(["replay.frame_stack=4", "replay.shared_obs=true"] if args.path == "cache" else
+          ["replay.frame_stack=0", "replay.shared_obs=false"]),
+        "replay.capacity=5000", "replay.min_size=100"])
     env = make_vector_env(cfg.env, 4, seed=0, training=True)
     obs = env.reset(seed=0)
     rng = np.random.default_rng(0)
@@ -64,10 +70,25 @@ def main() -> None:
                                root_values=np.zeros(100, np.float32), num_sampleable=100, terminal=False,
                                bootstrap_value=0.0))
     learner = Learner(cfg.model, cfg.learner, tuple(frames.shape[2:]), num_actions, seed=0)
-    label = f"{args.device} {'compiled' if args.compile else 'eager'} batch {args.batch} {' '.join(args.overrides)}"
+    label = (f"{args.device} {'compiled' if args.compile else 'eager'} {args.path} batch {args.batch} "
+             f"{' '.join(args.overrides)}")
+    if args.path == "cache":
+        from rayzero.learner.prefetch import ObsStore, Staging
+
+        store = ObsStore.open(replay.obs_store(), threads=2)
+        assert store is not None, "the replay's shared observations could not be opened"
+        learner._staging = Staging(learner.device, store, obs_cache=True)
     start = time.perf_counter()
     for step in range(args.steps):
-        _, metrics = learner._update(learner._upload(replay.sample(args.batch)).ready())
+        batch = replay.sample(args.batch, with_obs=args.path == "direct")
+        item = learner._upload(batch)
+        if args.path == "cache" and step < 2:  # the cache serves the replay's own stacked observations
+            for name, index in (("obs", batch.indices), ("next_obs", batch.next_index),
+                                ("bootstrap_obs", batch.bootstrap_index)):
+                if index is not None:
+                    same = np.array_equal(item.ready()[name].cpu().numpy(), replay.obs_at(index))
+                    print(f"    {name}: {'equal to' if same else 'DIFFERENT from'} the replay's", flush=True)
+        _, metrics = learner._update(item.ready(), item.stale)
         if step % args.every == 0 or step == args.steps - 1:
             m = dict(zip(METRIC_NAMES, metrics.tolist()))
             print(f"{label}: step {step:4d}  grad {m['grad_norm']:8.2f}  consistency {m['consistency_loss']:7.3f}  "
