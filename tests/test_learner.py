@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
+from rayzero.config import ConfigError, LearnerConfig, ModelConfig, ReplayConfig
 from rayzero.learner import CheckpointError, Learner
 from rayzero.learner import checkpoint as ckpt
 from rayzero.models.support import support_to_scalar
@@ -729,3 +729,29 @@ def test_sgd_momentum_buffers_resume_exactly(tmp_path):
     resumed = Learner(MODEL, cfg, (4,), 2, seed=3)
     resumed.load(str(tmp_path))
     assert_same_steps(learner, resumed, batches[2:])
+
+
+def test_consistency_targets_computed_beforehand_give_the_same_updates():
+    """learner.consistency_targets='separate' (the targets outside the compiled step) changes where they are
+    computed, not what the learner does: the same losses and weights as 'step' over a few updates."""
+    replay = ReplayBuffer(ReplayConfig(capacity=2000, unroll_steps=3, td_steps=3, min_size=0, next_obs=True), 0)
+    for s in blob_segments(0):
+        replay.add(s)
+    batches = [replay.sample(16) for _ in range(3)]
+    runs = {}
+    for where in ("step", "separate"):
+        cfg = LearnerConfig(batch_size=16, lr=3e-3, lr_warmup_steps=0, device="cpu", compile=False,
+                            consistency_weight=2.0, consistency_dim=32, consistency_targets=where)
+        learner = Learner(BLOB_MODEL, cfg, (3, 24, 24), 4, seed=0)
+        metrics = [learner.step(b)[0] for b in batches]
+        runs[where] = (metrics, {k: v.clone() for k, v in learner.model.state_dict().items()
+                                 if "running" not in k and "num_batches" not in k})
+    (m1, w1), (m2, w2) = runs["step"], runs["separate"]
+    assert m1[-1]["consistency_loss"] != 0
+    for a, b in zip(m1, m2):
+        for name in ("loss", "policy_loss", "value_loss", "consistency_loss", "grad_norm"):
+            assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-7), name
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ConfigError, match="consistency_targets"):
+        LearnerConfig(consistency_targets="elsewhere")

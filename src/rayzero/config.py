@@ -284,6 +284,10 @@ class LearnerConfig:
     t+k (0 = off). Needs replay.next_obs=true."""
     consistency_dim: int = 256
     """Width of the consistency projection (and of its prediction head's hidden layer)."""
+    consistency_targets: str = "step"
+    """Where the consistency loss's stop-gradient targets are computed: 'step', inside the compiled step;
+    'separate', beforehand by a function of their own (compiled like the target network's bootstraps, without
+    CUDA graphs), handed to the step as an input."""
     shift_pixels: int = 0
     """Image observations: shift each training image (the root's, and the next observations of the consistency
     loss) by a random offset of up to this many pixels each way, edges replicated (EfficientZero's and
@@ -324,6 +328,7 @@ class LearnerConfig:
             ("target_update_interval", self.target_update_interval >= 0, ">= 0"),
             ("consistency_weight", self.consistency_weight >= 0, ">= 0"),
             ("consistency_dim", self.consistency_dim >= 1, ">= 1"),
+            ("consistency_targets", self.consistency_targets in ("step", "separate"), "'step' or 'separate'"),
             ("shift_pixels", self.shift_pixels >= 0, ">= 0 (0 = off)"),
             ("grad_sync", self.grad_sync in ("ddp", "flat"), "'ddp' or 'flat'"),
         ])

@@ -164,6 +164,9 @@ class Learner:
             self.target = copy.deepcopy(self.model).eval().requires_grad_(False)
             if use_compile:  # its forward over [B, K+1] observations costs more GPU time than the step's own
                 self._compiled_bootstrap = torch.compile(bootstrap_values, dynamic=False)
+        self._compiled_targets: Any | None = None
+        if self.consistency is not None and cfg.consistency_targets == "separate" and use_compile:
+            self._compiled_targets = torch.compile(self.loss_module.consistency_targets, dynamic=False)
         self.steps = 0
         self.version = 0
         self.samples = 0
@@ -251,6 +254,11 @@ class Learner:
         if self.consistency is not None and "next_obs" not in tensors:
             raise ValueError("learner.consistency_weight > 0 needs batches with next observations: "
                              "set replay.next_obs=true")
+        if self.consistency is not None and cfg.consistency_targets == "separate":
+            with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                enabled=cfg.bf16 and self.device.type == "cuda"):
+                targets = self._consistency_targets(tensors["next_obs"])
+            tensors = {**{k: v for k, v in tensors.items() if k != "next_obs"}, "consistency_targets": targets}
         while True:
             if not self._watch_steps:
                 loss, stats, priorities = self._loss_and_backward(tensors)
@@ -324,6 +332,20 @@ class Learner:
                             "eagerly")
                 self._compiled_bootstrap = None
         return bootstrap_values(self.target, obs, self.channels_last)
+
+    def _consistency_targets(self, next_obs: torch.Tensor) -> torch.Tensor:
+        """learner.consistency_targets='separate': the consistency targets outside the step, compiled when the
+        step is, eager after a compiler failure (logged once)."""
+        if self._compiled_targets is not None:
+            try:
+                return self._compiled_targets(next_obs)
+            except Exception as error:
+                if not is_compile_error(error):
+                    raise
+                log.warning(f"torch.compile of the consistency targets failed ({type(error).__name__}); computing "
+                            "them eagerly")
+                self._compiled_targets = None
+        return self.loss_module.consistency_targets(next_obs)
 
     def sync_target(self) -> None:
         """Copy the network into the target network."""

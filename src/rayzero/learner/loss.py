@@ -65,7 +65,8 @@ class MuZeroLoss(nn.Module):
 
     batch: device tensors of a replay `Batch`: obs [B, *obs], actions [B, K], target_values/target_rewards
     [B, K+1], target_policies [B, K+1, A], value/reward/policy_mask [B, K+1], weights [B]; with consistency
-    also next_obs [B, K, *obs] and next_mask [B, K].
+    also next_obs [B, K, *obs] and next_mask [B, K], or instead of next_obs the targets computed beforehand by
+    `consistency_targets` (consistency_targets [B, K, dim]).
     """
 
     def __init__(self, model: MuZeroNet, value_loss_weight: float, consistency: ConsistencyHeads | None = None,
@@ -83,6 +84,13 @@ class MuZeroLoss(nn.Module):
         if self.shift_pixels and obs.dim() == 4:
             obs = random_shift(obs, self.shift_pixels)
         return _layout(obs, self.channels_last)
+
+    @torch.no_grad()
+    def consistency_targets(self, next_obs: torch.Tensor) -> torch.Tensor:
+        """next_obs [B, K, *obs] -> [B, K, dim] the stop-gradient projections the consistency loss aims at (the
+        network in its current mode: BatchNorm in training mode uses these observations' statistics)."""
+        latent = self.model.represent(self._images(next_obs.flatten(0, 1)))
+        return self.consistency.project(latent).float().view(next_obs.shape[0], next_obs.shape[1], -1)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         model = self.model
@@ -109,11 +117,9 @@ class MuZeroLoss(nn.Module):
 
         use_consistency = self.consistency is not None and self.consistency_weight > 0
         if use_consistency:
-            next_obs = batch["next_obs"]
-            with torch.no_grad():
-                target_latent = model.represent(self._images(next_obs.flatten(0, 1)))
-                targets = self.consistency.project(target_latent).float()
-                targets = targets.view(next_obs.shape[0], num_unroll, -1)
+            targets = batch.get("consistency_targets")
+            if targets is None:
+                targets = self.consistency_targets(batch["next_obs"])
 
         if model.value_prefix:
             state = model.prefix_state(actions.shape[0], actions.device, latent.dtype)
