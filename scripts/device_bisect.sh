@@ -19,7 +19,7 @@ probe() {  # NAME TIMEOUT ARGS...
     timeout "$limit" python3 scripts/consistency_probe.py --device cuda --batch 256 --path cache --compile \
         --steps 30 --every 10 "$@" > "$out/probe_$name.txt" 2>&1
     echo "== $name"
-    grep "step " "$out/probe_$name.txt" | sed 's/^cuda compiled cache batch 256 //' | cut -c1-140
+    grep "step " "$out/probe_$name.txt" | sed 's/^.*: step/step/'; grep -m1 "Error" "$out/probe_$name.txt"
 }
 probe default 120 learner.compile_mode=default
 probe separate 120 learner.consistency_targets=separate
