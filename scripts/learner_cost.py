@@ -29,6 +29,9 @@ VARIANTS = {
     "batch_1024": ["learner.batch_size=1024"],
     "gray64": ["env.grayscale=true", "env.image_size=64"],
     "consistency": ["learner.consistency_weight=2", "replay.next_obs=true"],
+    "consistency_step": ["learner.consistency_weight=2", "replay.next_obs=true", "learner.consistency_targets=step"],
+    "consistency_separate": ["learner.consistency_weight=2", "replay.next_obs=true",
+                             "learner.consistency_targets=separate"],
     "no_cudagraphs": ["learner.compile_mode=default"],
     "eager": ["learner.compile=false"],
 }

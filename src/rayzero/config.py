@@ -284,10 +284,12 @@ class LearnerConfig:
     t+k (0 = off). Needs replay.next_obs=true."""
     consistency_dim: int = 256
     """Width of the consistency projection (and of its prediction head's hidden layer)."""
-    consistency_targets: str = "step"
-    """Where the consistency loss's stop-gradient targets are computed: 'step', inside the compiled step;
-    'separate', beforehand by a function of their own (compiled like the target network's bootstraps, without
-    CUDA graphs), handed to the step as an input."""
+    consistency_targets: str = "separate"
+    """Where the consistency loss's stop-gradient targets are computed: 'separate', beforehand by a function of
+    their own (compiled like the target network's bootstraps, without CUDA graphs) and handed to the step as an
+    input; 'step', inside the compiled step. With 'step' under CUDA graphs (torch 2.11, H200) the cosine does not
+    train and the gradient norm jumps 20x after the first step, while eager trains it (docs/benchmarks.md);
+    the learner warns when asked for that combination."""
     shift_pixels: int = 0
     """Image observations: shift each training image (the root's, and the next observations of the consistency
     loss) by a random offset of up to this many pixels each way, edges replicated (EfficientZero's and

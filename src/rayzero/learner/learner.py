@@ -167,6 +167,10 @@ class Learner:
         self._compiled_targets: Any | None = None
         if self.consistency is not None and cfg.consistency_targets == "separate" and use_compile:
             self._compiled_targets = torch.compile(self.loss_module.consistency_targets, dynamic=False)
+        if (self.consistency is not None and cfg.consistency_targets == "step" and use_compile
+                and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"):
+            log.warning("learner.consistency_targets=step with CUDA graphs: the consistency loss did not train this "
+                        "way on an H200 (torch 2.11); 'separate' does")
         self.steps = 0
         self.version = 0
         self.samples = 0
