@@ -191,3 +191,20 @@ def test_selfplay_runs_freely_until_the_first_learner_call_returns_then_the_rati
     assert (COLLECT, 0) not in calls and (LEARN, 0) in calls
     schedule.learned(Counters(replay_transitions=9000, learner_steps=100))  # later calls move nothing
     assert schedule.ratio_base == pytest.approx(6000 - 50 / 2.0)
+
+
+def test_learner_calls_queue_up_to_calls_in_flight_and_count_in_the_ratio():
+    """learner.calls_in_flight=2: while the learner is behind, a second call waits at its actor, so it never idles
+    between calls; calls already in flight count as trained, so the queue does not overrun the ratio."""
+    rules = Rules(**{**RULES.__dict__, "learn_calls": 2})
+    schedule = Schedule(rules, start=0.0)
+    far_behind = Counters(replay_transitions=1000, learner_steps=100)  # wants 2000 samples, has 1000
+    assert [c.key for c in schedule.next_calls(far_behind, set(), [], now=1.0)] == [(LEARN, 0), (LEARN, 1)]
+    assert [c.key for c in schedule.next_calls(far_behind, {(LEARN, 0)}, [], now=1.0)] == [(LEARN, 1)]
+    assert schedule.next_calls(far_behind, {(LEARN, 0), (LEARN, 1)}, [], now=1.0) == []
+    # At the ratio (2000 samples): the learner may run one call (50 samples) ahead, so one is queued, and none
+    # while that one is in flight.
+    near = Counters(replay_transitions=1000, learner_steps=200)
+    assert [c.key for c in schedule.next_calls(near, set(), [], now=1.0)] == [(LEARN, 0)]
+    assert schedule.next_calls(near, {(LEARN, 0)}, [], now=1.0) == []
+    assert Rules.from_config(config_lib.load("atari"), 12, 1, 0).learn_calls == 2

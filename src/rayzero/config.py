@@ -248,6 +248,10 @@ class LearnerConfig:
     """Target (learner samples) / (env steps); the driver throttles whichever side runs ahead."""
     steps_per_call: int = 50
     """Learner steps per remote call (between weight publications)."""
+    calls_in_flight: int = 2
+    """Train calls the driver keeps queued at the learner. With 2 the next call is already waiting when one ends,
+    so the learner does not idle while the driver takes in a result and publishes its weights (it did for ~10 %
+    of a Pong run, docs/benchmarks.md); published weights are then a call older. 1: one call at a time."""
     warmup_transitions: int = 0
     """With a compiling learner (CUDA), the most transitions self-play adds before the learner's first call
     returns; self-play then waits for it (0 = no cap). Uncapped, a minute of compiling fills replay with the
@@ -321,6 +325,7 @@ class LearnerConfig:
             ("value_loss_weight", self.value_loss_weight >= 0, ">= 0"),
             ("replay_ratio", self.replay_ratio > 0, "> 0"),
             ("steps_per_call", self.steps_per_call >= 1, ">= 1"),
+            ("calls_in_flight", self.calls_in_flight >= 1, ">= 1"),
             ("warmup_transitions", self.warmup_transitions >= 0, ">= 0 (0 = no cap)"),
             ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
             ("checkpoint_interval", self.checkpoint_interval >= 1, ">= 1"),

@@ -12,7 +12,8 @@ cluster (tests/test_schedule.py):
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
   * evaluation every `run.eval_interval` seconds once the learner has stepped, except one that the last
     evaluation's duration says would end past the time limit (the final evaluation follows at the limit);
-  * a role never has two calls in flight;
+  * a role never has two calls in flight, except the learner, which has `learner.calls_in_flight` queued (its
+    actor runs them in order), all counted in the ratio;
   * the run stops at the first limit reached (interrupt, time, env steps, learner steps).
 """
 
@@ -80,6 +81,8 @@ class Rules:
     """Self-play is not held back by the ratio until the learner's first call returns (it compiles there)."""
     warmup_transitions: int = 0
     """With free_first_call: the most transitions self-play adds before that call returns (0 = no cap)."""
+    learn_calls: int = 1
+    """Learner calls kept in flight (learner.calls_in_flight)."""
 
     @classmethod
     def from_config(cls, config: Config, num_selfplay: int, num_shards: int, num_reanalyse: int,
@@ -95,6 +98,7 @@ class Rules:
             log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
             time_limit=run.time_limit, max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
             free_first_call=learner_compiles, warmup_transitions=learner.warmup_transitions,
+            learn_calls=learner.calls_in_flight,
         )
 
 
@@ -152,8 +156,13 @@ class Schedule:
             temperature = temperature_at(rules.temperature_schedule, counters.learner_steps)
             calls += [Call(COLLECT, i, temperature=temperature) for i in sorted(actors)
                       if (COLLECT, i) not in in_flight]
-        if ready and (LEARN, 0) not in in_flight and samples < target + rules.steps_per_call * rules.samples_per_step:
-            calls.append(Call(LEARN))
+        if ready:
+            call_samples = rules.steps_per_call * rules.samples_per_step
+            queued = sum(1 for i in range(rules.learn_calls) if (LEARN, i) in in_flight)
+            for i in range(rules.learn_calls):  # the queued calls' samples count as trained
+                if (LEARN, i) not in in_flight and samples + queued * call_samples < target + call_samples:
+                    calls.append(Call(LEARN, i))
+                    queued += 1
         for i in range(rules.num_reanalyse):
             if ready and (REANALYSE, i) not in in_flight and counters.reanalysed < rules.reanalyse_fraction * samples:
                 calls.append(Call(REANALYSE, i, shard=self.reanalyse_calls % rules.num_shards))

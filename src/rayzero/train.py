@@ -154,7 +154,10 @@ class Driver:
         self.active: set[int] = set()  # actors that have delivered at least one collect
         self.next_index = 0
         self.losses_in_a_row = 0
-        self.weights: Any = None  # ref of the latest published (version, state_dict)
+        self.weights: Any = None  # ref of the latest published (version, state_dict), made by the learner
+        # Learner weights() calls queued behind train calls, oldest first: the newest one made becomes `weights`,
+        # so that calls handed `weights` never wait for the learner.
+        self.pending_weights: list[Any] = []
         self.eval_weights: Any = None  # the weights the evaluation in flight plays with
         self.solved_weights: Any = None  # the weights whose evaluation met run.stop_return
         self.failures: dict[tuple[str, int], int] = {}  # (role, index) -> failures in a row of restartable actors
@@ -279,14 +282,18 @@ class Driver:
                 self.counters, time.perf_counter(), self.interrupt_requested)
             if self.stop_reason:
                 break
+            self._take_weights()
             in_flight = {call.key for call in self.pending.values()}
             for call in schedule.next_calls(self.counters, in_flight, self.actors, time.perf_counter(),
                                             handles.replay.all_sampleable):
                 self.pending[self._issue(call, handles)] = call
             timeout = schedule.wait_timeout(time.perf_counter())
-            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+            waiting = list(self.pending) + self.pending_weights
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=timeout)
             for ref in ready:
-                self._record(ref, self.pending.pop(ref), handles, metrics)
+                if ref in self.pending:
+                    self._record(ref, self.pending.pop(ref), handles, metrics)
+            self._take_weights()
             if schedule.log_due(time.perf_counter()):
                 self._log_progress(metrics, handles)
         if self.stop_reason == "interrupted":
@@ -298,13 +305,26 @@ class Driver:
             ray.get(handles.learner.set_weights.remote(*ray.get(self.solved_weights)))
 
     def _publish(self, handles: cluster.Handles, wait: bool = False) -> None:
-        """The learner's latest weights, to the inference actor; self-play and the rest get the ref with their
-        next call."""
-        self.weights = handles.learner.weights.remote()
-        if handles.inference is not None:
-            done = handles.inference.set_weights.remote(*ray.get(self.weights))
-            if wait:
-                ray.get(done)
+        """The learner's latest weights, to the inference actor; self-play and the rest get them with their next
+        call once the learner has made them (`_take_weights`). wait: until both are done (at start and end)."""
+        ref = handles.learner.weights.remote()
+        done = handles.inference.set_published.remote(ref) if handles.inference is not None else None
+        if wait:
+            ray.get([ref] + ([done] if done is not None else []))
+            self.weights, self.pending_weights = ref, []
+        else:
+            self.pending_weights.append(ref)
+
+    def _take_weights(self) -> None:
+        """The newest pending weights that the learner has made become the published ones (the learner makes
+        them in order, so older pending ones are dropped with it)."""
+        if not self.pending_weights:
+            return
+        made, _ = ray.wait(self.pending_weights, num_returns=len(self.pending_weights), timeout=0)
+        if made:
+            newest = max(self.pending_weights.index(ref) for ref in made)
+            self.weights = self.pending_weights[newest]
+            self.pending_weights = self.pending_weights[newest + 1:]
 
     def _issue(self, call: Call, handles: cluster.Handles) -> Any:
         """Start `call`; returns its ref."""

@@ -250,6 +250,12 @@ class InferenceServer:
         await asyncio.wrap_future(self._stager.submit(swap))
         return version
 
+    async def set_published(self, weights: tuple[int, dict[str, torch.Tensor]]) -> int:
+        """set_weights with a learner's `weights()` result as one argument: the driver hands over the ref, and Ray
+        delivers the weights here once the learner has made them, without the driver waiting for them."""
+        version, state_dict = weights
+        return await self.set_weights(version, state_dict)
+
     def _apply_weights(self, version: int, staged: dict[str, torch.Tensor]) -> None:
         """GPU thread, between batches: the staged weights into the model, the new version, a clear cache."""
         self.runner.apply_weights(staged)
