@@ -208,3 +208,4 @@ def test_learner_calls_queue_up_to_calls_in_flight_and_count_in_the_ratio():
     assert [c.key for c in schedule.next_calls(near, set(), [], now=1.0)] == [(LEARN, 0)]
     assert schedule.next_calls(near, {(LEARN, 0)}, [], now=1.0) == []
     assert Rules.from_config(config_lib.load("atari"), 12, 1, 0).learn_calls == 2
+    assert Rules.from_config(config_lib.load("cartpole"), 1, 1, 0).learn_calls == 1

@@ -248,10 +248,10 @@ class LearnerConfig:
     """Target (learner samples) / (env steps); the driver throttles whichever side runs ahead."""
     steps_per_call: int = 50
     """Learner steps per remote call (between weight publications)."""
-    calls_in_flight: int = 2
-    """Train calls the driver keeps queued at the learner. With 2 the next call is already waiting when one ends,
-    so the learner does not idle while the driver takes in a result and publishes its weights (it did for ~10 %
-    of a Pong run, docs/benchmarks.md); published weights are then a call older. 1: one call at a time."""
+    calls_in_flight: int = 1
+    """Train calls the driver keeps queued at the learner. With 2 (the `atari` preset) the next call is already
+    waiting when one ends, so the learner does not idle while the driver takes in a result and publishes its
+    weights (~10 % of a Pong run's time, docs/benchmarks.md); published weights are then a call older."""
     warmup_transitions: int = 0
     """With a compiling learner (CUDA), the most transitions self-play adds before the learner's first call
     returns; self-play then waits for it (0 = no cap). Uncapped, a minute of compiling fills replay with the
