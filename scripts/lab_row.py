@@ -56,6 +56,19 @@ def main() -> None:
         if wall > 0 and inside > 0:
             print(f"  learner over the last {wall:.0f} s: {steps / wall:.1f} updates/s, {inside / wall:.0%} of the time "
                   f"in its calls at {steps / inside:.1f} updates/s")
+    evals = [(r["wall_seconds"] - r["eval_seconds"], r["wall_seconds"]) for r in rows if r.get("eval_seconds")]
+    stepped = [r for r in rows if "learner_steps" in r and "eval_seconds" not in r]
+    if evals and len(stepped) > 2 and first is not None:
+        # The learner's rate while an evaluation plays and while none does (both share the GPU with it)
+        rates: dict[bool, list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}  # during: [updates, seconds]
+        for a, b in zip(stepped, stepped[1:]):
+            if a["wall_seconds"] < first + 20:  # compilation and CUDA-graph recording
+                continue
+            during = any(start <= b["wall_seconds"] <= end + 1 for start, end in evals)
+            rates[during][0] += b["learner_steps"] - a["learner_steps"]
+            rates[during][1] += b["wall_seconds"] - a["wall_seconds"]
+        print("  learner " + ", ".join(f"{'during' if k else 'outside'} evaluations {v[0] / v[1]:.1f} updates/s "
+                                        f"({v[1]:.0f} s)" for k, v in rates.items() if v[1] > 0))
     learner = learning[-5:]
     if learner:
         means = {k: sum(r[k] for r in learner if k in r) / max(1, sum(k in r for r in learner)) for k in DIAGNOSTICS}
