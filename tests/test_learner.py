@@ -514,9 +514,9 @@ def test_a_target_network_that_fails_to_compile_bootstraps_eagerly_with_the_same
     monkeypatch.setattr(torch, "compile", fake_compile)
     learner = Learner(model, LearnerConfig(**{**cfg.__dict__, "compile": True, "compile_mode": "default"}),
                       (3, 16, 16), 3, seed=0)
-    assert learner._compiled_bootstrap is not None
+    assert learner._bootstrap.compiled is not None
     got = [learner.step(b)[0]["loss"] for b in batches]
-    assert learner._compiled_bootstrap is None  # given up after the failure
+    assert learner._bootstrap.compiled is None  # given up after the failure
     assert got == expected
 
 

@@ -23,6 +23,7 @@ import pickle
 import time
 import traceback
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,27 @@ def is_compile_error(error: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_COMPILER_DIRS)
 
 
+class _SideStep:
+    """A no-grad computation the step's inputs need (the target network's bootstraps, the consistency targets):
+    compiled when the step is, without CUDA graphs; after a compiler failure (logged once) it runs eagerly, and
+    an out-of-memory error or a bug still raises."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], what: str, use_compile: bool):
+        self.fn, self.what = fn, what
+        self.compiled = torch.compile(fn, dynamic=False) if use_compile else None
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:
+                if not is_compile_error(error):
+                    raise
+                log.warning(f"torch.compile of {self.what} failed ({type(error).__name__}); running it eagerly")
+                self.compiled = None
+        return self.fn(*args)
+
+
 class Learner:
     """One learner (or one DDP rank, with `distributed=True` inside an initialised process group)."""
 
@@ -159,14 +181,12 @@ class Learner:
             self.optimizer = torch.optim.AdamW(self.loss_module.parameters(), lr=cfg.lr,
                                                weight_decay=cfg.weight_decay, **kernels)
         self.target = None
-        self._compiled_bootstrap: Any | None = None
         if cfg.target_update_interval:
             self.target = copy.deepcopy(self.model).eval().requires_grad_(False)
-            if use_compile:  # its forward over [B, K+1] observations costs more GPU time than the step's own
-                self._compiled_bootstrap = torch.compile(bootstrap_values, dynamic=False)
-        self._compiled_targets: Any | None = None
-        if self.consistency is not None and cfg.consistency_targets == "separate" and use_compile:
-            self._compiled_targets = torch.compile(self.loss_module.consistency_targets, dynamic=False)
+        # Its forward over [B, K+1] observations costs more GPU time than the step's own: compiled too.
+        self._bootstrap = _SideStep(bootstrap_values, "the target network", use_compile and self.target is not None)
+        self._consistency_targets = _SideStep(self.loss_module.consistency_targets, "the consistency targets",
+                                              use_compile and cfg.consistency_targets == "separate")
         if (self.consistency is not None and cfg.consistency_targets == "step" and use_compile
                 and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"):
             log.warning("learner.consistency_targets=step with CUDA graphs: the consistency loss did not train this "
@@ -253,7 +273,7 @@ class Learner:
                 self.sync_target()
             with torch.autocast(self.device.type, dtype=torch.bfloat16,
                                 enabled=cfg.bf16 and self.device.type == "cuda"):
-                boot = self._bootstrap(tensors["bootstrap_obs"]).float()
+                boot = self._bootstrap(self.target, tensors["bootstrap_obs"], self.channels_last).float()
             tensors = dict(tensors, target_values=tensors["target_values"] + tensors["bootstrap_scale"] * boot)
         if self.consistency is not None and "next_obs" not in tensors:
             raise ValueError("learner.consistency_weight > 0 needs batches with next observations: "
@@ -322,34 +342,6 @@ class Learner:
             param.grad = grad
         if moved:
             torch._foreach_copy_([dst for dst, _ in moved], [src for _, src in moved])
-
-    def _bootstrap(self, obs: torch.Tensor) -> torch.Tensor:
-        """[B, K+1] target-network values of the bootstrap observations: compiled when the step is, eager after
-        a compiler failure (logged once; an out-of-memory error or a bug still raises)."""
-        if self._compiled_bootstrap is not None:
-            try:
-                return self._compiled_bootstrap(self.target, obs, self.channels_last)
-            except Exception as error:
-                if not is_compile_error(error):
-                    raise
-                log.warning(f"torch.compile of the target network failed ({type(error).__name__}); evaluating it "
-                            "eagerly")
-                self._compiled_bootstrap = None
-        return bootstrap_values(self.target, obs, self.channels_last)
-
-    def _consistency_targets(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """learner.consistency_targets='separate': the consistency targets outside the step, compiled when the
-        step is, eager after a compiler failure (logged once)."""
-        if self._compiled_targets is not None:
-            try:
-                return self._compiled_targets(next_obs)
-            except Exception as error:
-                if not is_compile_error(error):
-                    raise
-                log.warning(f"torch.compile of the consistency targets failed ({type(error).__name__}); computing "
-                            "them eagerly")
-                self._compiled_targets = None
-        return self.loss_module.consistency_targets(next_obs)
 
     def sync_target(self) -> None:
         """Copy the network into the target network."""
