@@ -72,7 +72,7 @@ class ClientProcess:
 
 
 def phase(ray, server, clients: int, procs: int, rows: int, obs_dim: int, num_actions: int, waves: int,
-          seconds: float, warmup: float, tag: str) -> dict[str, Any]:
+          seconds: float, warmup: float, tag: str, py_spy: str | None = None) -> dict[str, Any]:
     procs = max(1, min(procs, clients))
     names = [f"{tag}-c{i}" for i in range(clients)]
     groups = [names[p::procs] for p in range(procs)]
@@ -82,7 +82,15 @@ def phase(ray, server, clients: int, procs: int, rows: int, obs_dim: int, num_ac
     before = ray.get(server.stats.remote())
     start = time.monotonic() + 0.5 + warmup
     until = start + seconds
-    results = ray.get([a.run.remote(start, until) for a in actors])
+    refs = [a.run.remote(start, until) for a in actors]
+    if py_spy:  # sample the actor's threads during the window (py-spy must be installed)
+        import subprocess
+
+        pid = ray.get(server.__ray_call__.remote(lambda self: os.getpid()))
+        time.sleep(max(0.0, start - time.monotonic()))
+        subprocess.run(["py-spy", "record", "-p", str(pid), "-d", str(max(1, int(seconds) - 1)), "-r", "500",
+                        "-f", "raw", "-o", py_spy, "--threads", "--nonblocking", "--idle"], check=False)
+    results = ray.get(refs)
     after = ray.get(server.stats.remote())
     ray.get([a.close.remote() for a in actors])
     for a in actors:
@@ -110,6 +118,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--max-wait-us", type=int, default=500, help="inference.max_wait_us (the default config's)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--py-spy", default=None, help="write a py-spy raw profile of the actor (last phase)")
     args = parser.parse_args()
 
     import ray
@@ -131,7 +140,7 @@ def main() -> None:
               f"{'load':>5}", flush=True)
         for i, clients in enumerate(int(c) for c in args.clients.split(",")):
             r = phase(ray, server, clients, args.procs, args.rows, obs_dim, num_actions, args.waves, args.seconds,
-                      args.warmup, f"p{i}")
+                      args.warmup, f"p{i}", args.py_spy)
             rows_out.append(r)
             print(f"{r['clients']:>7} {r['procs']:>5} {r['rows']:>4} {r['recurrent_per_s']:>9.0f} "
                   f"{r['rtt_us_p50']:>8.0f} {r['rtt_us_p99']:>8.0f} {r['requests_per_batch']!s:>9} "
