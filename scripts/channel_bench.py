@@ -22,6 +22,31 @@ from typing import Any
 
 import numpy as np
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _thread_names(self: Any) -> tuple[int, dict[int, str]]:
+    """Inside the actor (through __ray_call__): its pid and the Python name of each native thread id."""
+    import threading
+
+    return os.getpid(), {t.native_id: t.name for t in threading.enumerate()}
+
+
+def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, summed by Python thread name (`names`;
+    threads Python does not know, Ray's own, are 'other')."""
+    out: dict[str, float] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        name = names.get(int(task), "other")
+        fields = text.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
 
 class ClientProcess:
     """One client actor: `threads` channel clients, each in its own thread, doing rounds until a deadline."""
@@ -79,19 +104,20 @@ def phase(ray, server, clients: int, procs: int, rows: int, obs_dim: int, num_ac
     actors = [ray.remote(num_cpus=0)(ClientProcess).remote(server, g, rows, obs_dim, num_actions, waves)
               for g in groups]
     transports = sorted({t for ts in ray.get([a.transports.remote() for a in actors]) for t in ts})
-    before = ray.get(server.stats.remote())
+    pid, names = ray.get(server.__ray_call__.remote(_thread_names))
     start = time.monotonic() + 0.5 + warmup
     until = start + seconds
     refs = [a.run.remote(start, until) for a in actors]
+    time.sleep(max(0.0, start - time.monotonic()))
+    before, cpu0 = ray.get(server.stats.remote()), thread_cpu(pid, names)
     if py_spy:  # sample the actor's threads during the window (py-spy must be installed)
         import subprocess
 
-        pid = ray.get(server.__ray_call__.remote(lambda self: os.getpid()))
-        time.sleep(max(0.0, start - time.monotonic()))
         subprocess.run(["py-spy", "record", "-p", str(pid), "-d", str(max(1, int(seconds) - 1)), "-r", "500",
                         "-f", "raw", "-o", py_spy, "--threads", "--nonblocking", "--idle"], check=False)
+    time.sleep(max(0.0, until - time.monotonic()))
+    after, cpu1 = ray.get(server.stats.remote()), thread_cpu(pid, names)
     results = ray.get(refs)
-    after = ray.get(server.stats.remote())
     ray.get([a.close.remote() for a in actors])
     for a in actors:
         ray.kill(a)
@@ -100,12 +126,16 @@ def phase(ray, server, clients: int, procs: int, rows: int, obs_dim: int, num_ac
         sum(m["count"] for k, m in before["buckets"].items() if k.startswith("recurrent"))
     requests = sum(m["requests"] for k, m in after["buckets"].items() if k.startswith("recurrent")) - \
         sum(m["requests"] for k, m in before["buckets"].items() if k.startswith("recurrent"))
+    served = after["requests"] - before["requests"]
+    cpu = {name: round(cpu1[name] - cpu0.get(name, 0.0), 3) for name in cpu1 if cpu1[name] - cpu0.get(name, 0.0) > 0}
     return {"clients": clients, "procs": procs, "rows": rows, "transport": transports,
             "recurrent_per_s": round(len(lat) / seconds, 1), "rows_per_s": round(len(lat) * rows / seconds, 1),
             "rtt_us_p50": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
             "rtt_us_p99": round(float(np.percentile(lat, 99)), 1) if len(lat) else None,
             "requests_per_batch": round(requests / batches, 2) if batches else None,
-            "server_errors": after["errors"] - before["errors"], "loadavg": os.getloadavg()}
+            "server_errors": after["errors"] - before["errors"], "loadavg": os.getloadavg(),
+            "server_requests": served, "server_cpu_s": cpu,
+            "server_cpu_us_per_request": round(1e6 * sum(cpu.values()) / served, 1) if served else None}
 
 
 def main() -> None:
@@ -117,6 +147,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--max-wait-us", type=int, default=500, help="inference.max_wait_us (the default config's)")
+    parser.add_argument("--switch-us", type=int, default=0,
+                        help="experiment: set the actor's sys.setswitchinterval (us; 0 = leave it)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--py-spy", default=None, help="write a py-spy raw profile of the actor (last phase)")
     args = parser.parse_args()
@@ -136,19 +168,25 @@ def main() -> None:
         server = ray.remote(InferenceServer).options(num_cpus=0, max_concurrency=1000).remote(
             model, cfg, (obs_dim,), num_actions, 0)
         ray.get(server.get_version.remote())
+        if args.switch_us:
+            ray.get(server.__ray_call__.remote(lambda self, s=args.switch_us: __import__("sys").setswitchinterval(s / 1e6)))
+        where = ray.get(server.__ray_call__.remote(lambda self: __import__("rayzero").__file__))
+        print(f"server's rayzero: {where}")
         print(f"{'clients':>7} {'procs':>5} {'rows':>4} {'req/s':>9} {'p50 us':>8} {'p99 us':>8} {'req/batch':>9} "
-              f"{'load':>5}", flush=True)
+              f"{'load':>5} {'cpu us/req':>10}", flush=True)
         for i, clients in enumerate(int(c) for c in args.clients.split(",")):
             r = phase(ray, server, clients, args.procs, args.rows, obs_dim, num_actions, args.waves, args.seconds,
                       args.warmup, f"p{i}", args.py_spy)
             rows_out.append(r)
             print(f"{r['clients']:>7} {r['procs']:>5} {r['rows']:>4} {r['recurrent_per_s']:>9.0f} "
                   f"{r['rtt_us_p50']:>8.0f} {r['rtt_us_p99']:>8.0f} {r['requests_per_batch']!s:>9} "
-                  f"{r['loadavg'][0]:>5.2f}  {'/'.join(r['transport'])} errors={r['server_errors']}", flush=True)
+                  f"{r['loadavg'][0]:>5.2f} {r['server_cpu_us_per_request']!s:>10}  {'/'.join(r['transport'])} "
+                  f"errors={r['server_errors']} threads(cpu s)={r['server_cpu_s']}", flush=True)
     finally:
         ray.shutdown()
     write_json(args.json, "channel", {"config": {**vars(args), "model": "mlp latent 32 hidden 64", "device": "cpu",
-                                                 "max_batch": cfg.max_batch}, "phases": rows_out})
+                                                 "max_batch": cfg.max_batch, "server_rayzero": where},
+                                      "phases": rows_out})
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ How batching, the GPU thread and backpressure work: docs/architecture.md.
 
 Channel recurrent requests (a CPU search's waves, the hot path) take a fast path: the poller thread validates
 every request of a sweep with one vectorised check and hands them to the event loop in one hop as plain
-`_Request`s that name their channel; the batcher answers them by writing into the channel, with no coroutine,
-task or future per request. The batcher does not wait for more rows when every open channel already has its
+`_Request`s that name their channel; the GPU thread answers them by writing into the channel as soon as their
+batch is done, with no coroutine, task or future per request and no hop back to the event loop. The batcher does not wait for more rows when every open channel already has its
 one request queued or running (no channel can send another before its answer).
 """
 
@@ -125,8 +125,13 @@ class InferenceServer:
         self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference-weights")
         self.gone_clients = 0  # channel clients whose process ended (their latent slots were freed)
         self._channel_loop: asyncio.AbstractEventLoop | None = None
-        self._channel_waiting = 0  # channel requests handed to the event loop and not yet answered (loop thread)
+        # Channel requests handed to the event loop, and those answered, each counter written by one thread only
+        # (the loop; the loop's coroutine answers; the GPU thread's fast-path answers): outstanding = the difference.
+        self._channel_handed = 0
+        self._channel_answered_loop = 0
+        self._channel_answered_gpu = 0
         self._channel_errors = 0  # requests the poller thread refused (its own counter: no race with the loop's)
+        self._gpu_errors = 0  # fast-path requests the GPU thread answered with an error
 
     # -- public API (async actor methods) -------------------------------------------------------------
 
@@ -277,7 +282,7 @@ class InferenceServer:
                 self._queues.setdefault("recurrent", collections.deque()).append(request)
                 self._queued_rows["recurrent"] += request.rows
                 self.requests += 1
-                self._channel_waiting += 1
+                self._channel_handed += 1
             self._wake.set()
         for channel, seq in others:
             self._serve_channel(channel, seq)
@@ -296,10 +301,10 @@ class InferenceServer:
             channel.fail(seq, InferenceError(f"channel: unknown request kind {kind} (or no obs buffer)"))
             return
 
-        self._channel_waiting += 1
+        self._channel_handed += 1
 
         def answer(task: asyncio.Task) -> None:
-            self._channel_waiting -= 1
+            self._channel_answered_loop += 1
             error = InferenceError("request cancelled") if task.cancelled() else task.exception()
             if error is not None:
                 channel.fail(seq, error)
@@ -356,7 +361,7 @@ class InferenceServer:
             buckets[key] = {**m, "padding_fraction": m["padded"] / served if served else 0.0,
                             "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
                             "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
-        return {"version": self.version, "errors": self.errors + self._channel_errors, "requests": self.requests,
+        return {"version": self.version, "errors": self.errors + self._channel_errors + self._gpu_errors, "requests": self.requests,
                 "buckets": buckets,
                 "overloaded": self.overloaded, "queued_rows": sum(self._queued_rows.values()),
                 "peak_queued_rows": self.peak_queued_rows, "max_queue": self.max_queue,
@@ -510,7 +515,10 @@ class InferenceServer:
     def _channels_all_waiting(self) -> bool:
         """Every open channel has its one request queued or running: no channel can add rows before an answer."""
         poller = self._poller
-        return poller is not None and 0 < len(poller.channels) <= self._channel_waiting
+        if poller is None:
+            return False
+        waiting = self._channel_handed - self._channel_answered_loop - self._channel_answered_gpu
+        return 0 < len(poller.channels) <= waiting
 
     def _take(self, key: Any) -> list[_Request]:
         queue, limit = self._queues[key], self._limit(key)
@@ -548,34 +556,30 @@ class InferenceServer:
                 continue
             await self._fill(key, float("inf") if inflight is None else fill_until)
             requests = self._take(key)
-            launched, finished = await loop.run_in_executor(self.gpu, self._step, key, requests, inflight)
-            # The previous batch is done, so `launched` is now the one running on the device.
-            fill_until = time.perf_counter() + 0.75 * self._expected_gpu_s(launched)
-            if inflight is not None:
-                self._deliver(inflight, finished)
+            launched, done = await loop.run_in_executor(self.gpu, self._step, key, requests, inflight)
+            # The previous batch is done, so `launched` is now the one running on the device (None on the CPU).
+            fill_until = time.perf_counter() + 0.75 * self._expected_gpu_s(launched) if launched is not None else 0.0
+            for batch, results in done:
+                self._deliver(batch, results)
             inflight = launched
 
-    def _step(self, key: Any, requests: list[_Request], inflight: _Batch | None) -> tuple[_Batch, list | None]:
-        """GPU thread: launch the new batch, then wait for and unpack the one in flight."""
+    def _step(self, key: Any, requests: list[_Request], inflight: _Batch | None
+              ) -> tuple[_Batch | None, list[tuple[_Batch, list]]]:
+        """GPU thread: launch the new batch, then wait for and unpack the one in flight; returns the batch now in
+        flight and the finished (batch, results). On the CPU a launch computes the batch, so it is finished at
+        once (its answers would otherwise wait for the next batch's compute)."""
         launched = self._launch(key, requests)
-        return launched, (self._finish(inflight) if inflight is not None else None)
+        done = [(inflight, self._finish(inflight))] if inflight is not None else []
+        if not self.runner.cuda:
+            done.append((launched, self._finish(launched)))
+            launched = None
+        return launched, done
 
     def _deliver(self, batch: _Batch, results: list) -> None:
         for request, result in zip(batch.requests, results):
             if isinstance(result, Exception) and not isinstance(result, InferenceError):
                 result = InferenceError(f"{batch.kind}: {type(result).__name__}: {result}")
-            if request.channel is not None:  # the fast path: answer into the channel
-                self._channel_waiting -= 1
-                if result is None:
-                    result = InferenceError(f"{batch.kind}: the batch ended without an answer for this request")
-                try:
-                    if isinstance(result, Exception):
-                        self.errors += 1
-                        request.channel.fail(request.seq, result)
-                    else:
-                        request.channel.reply(request.seq, result)
-                except Exception as error:  # noqa: BLE001 - one unwritable answer must not stop the batcher
-                    request.channel.fail(request.seq, InferenceError(f"{batch.kind}: answer not written: {error}"))
+            if request.channel is not None:  # the fast path: the GPU thread answered it (_answer_channels)
                 continue
             if request.future.done():
                 continue
@@ -696,7 +700,27 @@ class InferenceServer:
                 self._record(batch)
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             batch.results = [r if r is not None else error for r in batch.results]
+        self._answer_channels(batch)
         return batch.results
+
+    def _answer_channels(self, batch: _Batch) -> None:
+        """GPU thread: write the answers of the batch's fast-path requests into their channels now."""
+        for request, result in zip(batch.requests, batch.results):
+            if request.channel is None:
+                continue
+            if result is None:
+                result = InferenceError(f"{batch.kind}: the batch ended without an answer for this request")
+            elif isinstance(result, Exception) and not isinstance(result, InferenceError):
+                result = InferenceError(f"{batch.kind}: {type(result).__name__}: {result}")
+            try:
+                if isinstance(result, Exception):
+                    self._gpu_errors += 1
+                    request.channel.fail(request.seq, result)
+                else:
+                    request.channel.reply(request.seq, result)
+            except Exception as error:  # noqa: BLE001 - one unwritable answer must not stop the batcher
+                request.channel.fail(request.seq, InferenceError(f"{batch.kind}: answer not written: {error}"))
+            self._channel_answered_gpu += 1
 
     def _split_net(self, batch: _Batch, outputs: dict[str, np.ndarray]) -> None:
         out = outputs["out"]
