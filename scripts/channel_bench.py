@@ -121,7 +121,7 @@ def phase(ray, server, clients: int, procs: int, rows: int, obs_dim: int, num_ac
     ray.get([a.close.remote() for a in actors])
     for a in actors:
         ray.kill(a)
-    lat = np.array([x for r in results for (l, _, _) in r for x in l], dtype=np.float64) / 1e3  # us
+    lat = np.array([x for r in results for (lats, _, _) in r for x in lats], dtype=np.float64) / 1e3  # us
     batches = sum(m["count"] for k, m in after["buckets"].items() if k.startswith("recurrent")) - \
         sum(m["count"] for k, m in before["buckets"].items() if k.startswith("recurrent"))
     requests = sum(m["requests"] for k, m in after["buckets"].items() if k.startswith("recurrent")) - \

@@ -119,6 +119,16 @@ class ServerChannel:
         self.header[STATUS] = 0
         self.header[DONE] = seq
 
+    def reply_rows(self, seq: int, rows: np.ndarray, handles: np.ndarray, version: int) -> None:
+        """Answer a recurrent request with the batch's packed output rows [n, 2 + A] (value, reward, logits: the
+        channel's own layout) in one copy."""
+        n = len(rows)
+        self.arrays["out"][:n] = rows
+        self.arrays["out_handles"][:n] = handles
+        self.header[VERSION] = version
+        self.header[STATUS] = 0
+        self.header[DONE] = seq
+
     def fail(self, seq: int, error: BaseException) -> None:
         text = (str(error) or type(error).__name__).encode()[:ERROR_BYTES]
         buffer = self.arrays["error"]
