@@ -114,7 +114,7 @@ def phase(ray, server, clients: int, procs: int, rows: int, obs_dim: int, num_ac
         import subprocess
 
         subprocess.run(["py-spy", "record", "-p", str(pid), "-d", str(max(1, int(seconds) - 1)), "-r", "500",
-                        "-f", "raw", "-o", py_spy, "--threads", "--nonblocking", "--idle"], check=False)
+                        "-f", "raw", "-o", py_spy, "--threads", "--nonblocking"] + (["--idle"] if os.environ.get("PYSPY_IDLE") else []), check=False)
     time.sleep(max(0.0, until - time.monotonic()))
     after, cpu1 = ray.get(server.stats.remote()), thread_cpu(pid, names)
     results = ray.get(refs)
@@ -135,7 +135,8 @@ def phase(ray, server, clients: int, procs: int, rows: int, obs_dim: int, num_ac
             "requests_per_batch": round(requests / batches, 2) if batches else None,
             "server_errors": after["errors"] - before["errors"], "loadavg": os.getloadavg(),
             "server_requests": served, "server_cpu_s": cpu,
-            "server_cpu_us_per_request": round(1e6 * sum(cpu.values()) / served, 1) if served else None}
+            "server_cpu_us_per_request": round(1e6 * sum(cpu.values()) / served, 1) if served else None,
+            "thread_cpu_us_per_request": {n: round(1e6 * c / served, 1) for n, c in cpu.items()} if served else {}}
 
 
 def main() -> None:
@@ -181,7 +182,7 @@ def main() -> None:
             print(f"{r['clients']:>7} {r['procs']:>5} {r['rows']:>4} {r['recurrent_per_s']:>9.0f} "
                   f"{r['rtt_us_p50']:>8.0f} {r['rtt_us_p99']:>8.0f} {r['requests_per_batch']!s:>9} "
                   f"{r['loadavg'][0]:>5.2f} {r['server_cpu_us_per_request']!s:>10}  {'/'.join(r['transport'])} "
-                  f"errors={r['server_errors']} threads(cpu s)={r['server_cpu_s']}", flush=True)
+                  f"errors={r['server_errors']} us/request by thread={r['thread_cpu_us_per_request']}", flush=True)
     finally:
         ray.shutdown()
     write_json(args.json, "channel", {"config": {**vars(args), "model": "mlp latent 32 hidden 64", "device": "cpu",
