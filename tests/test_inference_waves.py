@@ -199,3 +199,25 @@ def test_backpressure_refuses_wave_requests_and_the_client_retries(served):
         np.testing.assert_allclose(answer["value"], reference["value"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(answer["policy_logits"], reference["policy_logits"], rtol=1e-5, atol=1e-6)
     ray.kill(server)
+
+
+def test_the_batcher_waits_for_more_rows_only_while_another_channel_could_send_them(served):
+    cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300_000)
+    server = ray.remote(InferenceServer).options(max_concurrency=100).remote(MODEL, cfg, OBS, A, 0)
+    alone = InferenceClient(server, "alone", max_rows=4, obs_rows=4)
+    root = alone.initial(np.zeros((4, *OBS), np.float32))  # waits max_wait: no batching rule for the first
+    actions = np.array([0, 1, 2, 0])
+
+    def round_trip(client):
+        start = time.perf_counter()
+        client.recurrent(root["handles"], actions, False)
+        return time.perf_counter() - start
+
+    # The only open channel is waiting for its answer: no other channel can add rows, so no 0.3 s wait.
+    assert np.median([round_trip(alone) for _ in range(5)]) < 0.15
+    idle = InferenceClient(server, "idle", max_rows=4, obs_rows=4)  # open, sending nothing
+    assert idle.transport == "channel"
+    assert round_trip(alone) >= 0.25  # another channel could still send: the batcher waits max_wait_us
+    idle.close()
+    assert np.median([round_trip(alone) for _ in range(5)]) < 0.15
+    ray.kill(server)
