@@ -180,7 +180,8 @@ def test_backpressure_refuses_wave_requests_and_the_client_retries(served):
         except InferenceOverloaded as error:
             assert "inference.max_queue=8" in str(error)
             refused += 1
-    assert refused >= 1 and ray.get(server.stats.remote())["overloaded"] == refused
+    stats = ray.get(server.stats.remote())
+    assert refused >= 1 and stats["overloaded"] == refused and stats["errors"] == 0
     overloaded = ray.get(server.stats.remote())["overloaded"]
     ray.get(server.__ray_call__.remote(lambda self: self.gpu.submit(time.sleep, 0.5) and None))
     answers: list = [None] * len(clients)

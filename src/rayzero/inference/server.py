@@ -10,8 +10,9 @@ How batching, the GPU thread and backpressure work: docs/architecture.md.
 Channel recurrent requests (a CPU search's waves, the hot path) take a fast path: the poller thread validates
 every request of a sweep with one vectorised check and hands them to the event loop in one hop as plain
 `_Request`s that name their channel; the GPU thread answers them by writing into the channel as soon as their
-batch is done, with no coroutine, task or future per request and no hop back to the event loop. The batcher does not wait for more rows when every open channel already has its
-one request queued or running (no channel can send another before its answer).
+batch is done, with no coroutine, task or future per request and no hop back to the event loop. The batcher
+does not wait for more rows when every open channel already has its one request queued or running (no channel
+can send another before its answer).
 """
 
 from __future__ import annotations
@@ -277,8 +278,7 @@ class InferenceServer:
             for request in requests:
                 queued = sum(self._queued_rows.values())
                 if queued and queued + request.rows > self.max_queue:
-                    self.overloaded += 1
-                    self.errors += 1
+                    self.overloaded += 1  # not an error (as in _submit): the client sends it again
                     request.channel.fail(request.seq, self._overloaded(queued, request.rows))
                     continue
                 self.peak_queued_rows = max(self.peak_queued_rows, queued + request.rows)
