@@ -66,7 +66,7 @@ class ClientProcess:
 
         client, rng = self.clients[i], np.random.default_rng(i)
         obs = rng.normal(size=(self.rows, self.obs_dim)).astype(np.float32)
-        lat, rounds, errors = [], 0, 0
+        lat, rounds = [], 0
         while time.monotonic() < until:
             root = client.initial(obs)
             frontier = root["handles"]
@@ -80,9 +80,9 @@ class ClientProcess:
                 frontier = step["handles"]
             ray.get(self.server.release.remote(client.client_id))
             rounds += 1
-        out[i] = (lat, rounds, errors)
+        out[i] = (lat, rounds)
 
-    def run(self, start: float, until: float) -> list[tuple[list[int], int, int]]:
+    def run(self, start: float, until: float) -> list[tuple[list[int], int]]:
         out: list[Any] = [None] * len(self.clients)
         threads = [threading.Thread(target=self._loop, args=(i, start, until, out)) for i in range(len(self.clients))]
         for t in threads:
@@ -113,15 +113,16 @@ def phase(ray, server, clients: int, procs: int, rows: int, obs_dim: int, num_ac
     if py_spy:  # sample the actor's threads during the window (py-spy must be installed)
         import subprocess
 
+        idle = ["--idle"] if os.environ.get("PYSPY_IDLE") else []  # PYSPY_IDLE=1: waiting threads too
         subprocess.run(["py-spy", "record", "-p", str(pid), "-d", str(max(1, int(seconds) - 1)), "-r", "500",
-                        "-f", "raw", "-o", py_spy, "--threads", "--nonblocking"] + (["--idle"] if os.environ.get("PYSPY_IDLE") else []), check=False)
+                        "-f", "raw", "-o", py_spy, "--threads", "--nonblocking", *idle], check=False)
     time.sleep(max(0.0, until - time.monotonic()))
     after, cpu1 = ray.get(server.stats.remote()), thread_cpu(pid, names)
     results = ray.get(refs)
     ray.get([a.close.remote() for a in actors])
     for a in actors:
         ray.kill(a)
-    lat = np.array([x for r in results for (lats, _, _) in r for x in lats], dtype=np.float64) / 1e3  # us
+    lat = np.array([x for r in results for (lats, _) in r for x in lats], dtype=np.float64) / 1e3  # us
     batches = sum(m["count"] for k, m in after["buckets"].items() if k.startswith("recurrent")) - \
         sum(m["count"] for k, m in before["buckets"].items() if k.startswith("recurrent"))
     requests = sum(m["requests"] for k, m in after["buckets"].items() if k.startswith("recurrent")) - \
@@ -170,7 +171,8 @@ def main() -> None:
             model, cfg, (obs_dim,), num_actions, 0)
         ray.get(server.get_version.remote())
         if args.switch_us:
-            ray.get(server.__ray_call__.remote(lambda self, s=args.switch_us: __import__("sys").setswitchinterval(s / 1e6)))
+            interval = args.switch_us / 1e6
+            ray.get(server.__ray_call__.remote(lambda self: __import__("sys").setswitchinterval(interval)))
         where = ray.get(server.__ray_call__.remote(lambda self: __import__("rayzero").__file__))
         print(f"server's rayzero: {where}")
         print(f"{'clients':>7} {'procs':>5} {'rows':>4} {'req/s':>9} {'p50 us':>8} {'p99 us':>8} {'req/batch':>9} "

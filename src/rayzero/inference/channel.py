@@ -16,8 +16,8 @@ slot (in millionths); the answer's `out` rows are (root value, action, action we
 Protocol (one request in flight per channel): the client writes the payload, then kind/rows/store, then bumps
 the request sequence; the actor's poller thread sees the new sequence and hands every request of one sweep over
 all channels to the server at once (recurrent waves skip the per-request coroutine: server.py); the answer is
-written into the channel, then the answered sequence is set. Only the sequence numbers order the two sides, which relies on stores becoming
-visible in program order (x86-64); elsewhere clients use Ray calls.
+written into the channel, then the answered sequence is set. Only the sequence numbers order the two sides,
+which relies on stores becoming visible in program order (x86-64); elsewhere clients use Ray calls.
 """
 
 from __future__ import annotations

@@ -364,8 +364,8 @@ class InferenceServer:
             buckets[key] = {**m, "padding_fraction": m["padded"] / served if served else 0.0,
                             "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
                             "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
-        return {"version": self.version, "errors": self.errors + self._channel_errors + self._gpu_errors, "requests": self.requests,
-                "buckets": buckets,
+        errors = self.errors + self._channel_errors + self._gpu_errors
+        return {"version": self.version, "errors": errors, "requests": self.requests, "buckets": buckets,
                 "overloaded": self.overloaded, "queued_rows": sum(self._queued_rows.values()),
                 "peak_queued_rows": self.peak_queued_rows, "max_queue": self.max_queue,
                 "free_slots": self.pool.free, "clients": self.pool.clients,
