@@ -14,10 +14,10 @@ Whole searches (kind SEARCH) carry their roots' observations in `obs` and the vi
 slot (in millionths); the answer's `out` rows are (root value, action, action weights [A]).
 
 Protocol (one request in flight per channel): the client writes the payload, then kind/rows/store, then bumps
-the request sequence; the actor's poller thread sees the new sequence and hands the request (views of the
-channel) to the same queues, batcher and validation as Ray calls; the answer is written into the channel, then
-the answered sequence is set. Only the sequence numbers order the two sides, which relies on stores becoming
-visible in program order (x86-64); elsewhere clients use Ray calls.
+the request sequence; the actor's poller thread sees the new sequence and hands every request of one sweep over
+all channels to the server at once (recurrent waves skip the per-request coroutine: server.py); the answer is
+written into the channel, then the answered sequence is set. Only the sequence numbers order the two sides,
+which relies on stores becoming visible in program order (x86-64); elsewhere clients use Ray calls.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ class ServerChannel:
 
     def __init__(self, client: str, arrays: dict[str, np.ndarray], owner: object = None, pid: int | None = None):
         self.client = client
-        self.arrays = arrays
+        # Plain ndarray views: slicing a np.memmap runs Python code (__array_finalize__) on every access.
+        self.arrays = {tag: array.view(np.ndarray) for tag, array in arrays.items()}
         self.owner = owner  # the shared arrays' descriptors close when it goes
-        self.header = arrays["header"]
+        self.header = self.arrays["header"]
         self.seen = int(self.header[REQ])
         self.last_active = time.monotonic()
         self.pid = pid
@@ -118,6 +119,16 @@ class ServerChannel:
         self.header[STATUS] = 0
         self.header[DONE] = seq
 
+    def reply_rows(self, seq: int, rows: np.ndarray, handles: np.ndarray, version: int) -> None:
+        """Answer a recurrent request with the batch's packed output rows [n, 2 + A] (value, reward, logits: the
+        channel's own layout) in one copy."""
+        n = len(rows)
+        self.arrays["out"][:n] = rows
+        self.arrays["out_handles"][:n] = handles
+        self.header[VERSION] = version
+        self.header[STATUS] = 0
+        self.header[DONE] = seq
+
     def fail(self, seq: int, error: BaseException) -> None:
         text = (str(error) or type(error).__name__).encode()[:ERROR_BYTES]
         buffer = self.arrays["error"]
@@ -131,14 +142,15 @@ class ServerChannel:
 
 
 class Poller:
-    """A thread that watches every open channel and hands new requests to `on_request(channel, seq)` (called
-    on this thread; the server forwards them to its event loop). Once a second it closes the channels of clients
+    """A thread that watches every open channel and hands the new requests of each sweep to
+    `on_requests([(channel, seq), ...])` at once (called on this thread; the server validates recurrent waves
+    here and forwards them to its event loop in one hop). Once a second it closes the channels of clients
     whose process ended (then calls `on_gone(client)`) and those idle longer than `idle_timeout_s` (if > 0): a
     client that comes back opens a new one."""
 
-    def __init__(self, on_request: Callable[[ServerChannel, int], None], idle_timeout_s: float = 0.0,
+    def __init__(self, on_requests: Callable[[list[tuple[ServerChannel, int]]], None], idle_timeout_s: float = 0.0,
                  sleep_s: float = 20e-6, on_gone: Callable[[str], None] | None = None):
-        self.on_request = on_request
+        self.on_requests = on_requests
         self.on_gone = on_gone
         self.idle_timeout_s = idle_timeout_s
         self.sleep_s = sleep_s
@@ -173,17 +185,21 @@ class Poller:
         while True:  # a daemon thread: it ends with the actor's process
             with self._lock:
                 channels = list(self.channels.values())
-            busy = False
+            new = []
+            now = time.monotonic()
             for channel in channels:
                 seq = int(channel.header[REQ])
                 if seq != channel.seen:
                     channel.seen = seq
-                    channel.last_active = time.monotonic()
-                    busy = True
-                    try:
-                        self.on_request(channel, seq)
-                    except Exception as error:  # noqa: BLE001 - this request fails, the poller goes on
-                        channel.fail(seq, InferenceError(f"channel: {type(error).__name__}: {error}"))
+                    channel.last_active = now
+                    new.append((channel, seq))
+            if new:
+                try:
+                    self.on_requests(new)
+                except Exception as error:  # noqa: BLE001 - these requests fail, the poller goes on
+                    for channel, seq in new:
+                        if int(channel.header[DONE]) != seq:
+                            channel.fail(seq, InferenceError(f"channel: {type(error).__name__}: {error}"))
             now = time.monotonic()
             if now - last_sweep > 1.0:
                 last_sweep = now
@@ -198,7 +214,7 @@ class Poller:
                     elif (self.idle_timeout_s > 0 and now - channel.last_active > self.idle_timeout_s
                           and channel.seen == int(channel.header[DONE])):
                         self._drop(channel)
-            if not busy:
+            if not new:
                 time.sleep(self.sleep_s)
 
 
@@ -236,7 +252,8 @@ class InferenceClient:
         if info is None:  # another node, channels off, or no room in /dev/shm
             self.arrays = None
             return
-        self.arrays = {tag: np.load(path, mmap_mode="r+") for tag, path in info["paths"].items()}
+        # Plain ndarray views of the maps (a np.memmap's slicing runs Python code on every access).
+        self.arrays = {tag: np.load(path, mmap_mode="r+").view(np.ndarray) for tag, path in info["paths"].items()}
 
     def close(self) -> None:
         import ray

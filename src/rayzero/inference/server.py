@@ -6,6 +6,13 @@ clients on the actor's node may send them through shared-memory channels (channe
 request side: validation (a bad request fails alone), the queues and batcher, backpressure, the latent-pool
 bookkeeping (pool.py), the evaluation cache, weights, metrics and the trace; runner.py owns the device side.
 How batching, the GPU thread and backpressure work: docs/architecture.md.
+
+Channel recurrent requests (a CPU search's waves, the hot path) take a fast path: the poller thread validates
+every request of a sweep with one vectorised check and hands them to the event loop in one hop as plain
+`_Request`s that name their channel; the GPU thread answers them by writing into the channel as soon as their
+batch is done, with no coroutine, task or future per request and no hop back to the event loop. The batcher
+does not wait for more rows when every open channel already has its one request queued or running (no channel
+can send another before its answer).
 """
 
 from __future__ import annotations
@@ -43,14 +50,19 @@ def bucket_ladder(min_bucket: int, max_batch: int) -> list[int]:
     return sizes
 
 
+_ANSWERED = object()  # the result of a fast-path request already written into its channel
+
+
 @dataclasses.dataclass
 class _Request:
     key: Any  # 'initial', 'recurrent' or ('search', SearchConfig)
     client: str
     payload: Any
     rows: int
-    future: asyncio.Future
+    future: asyncio.Future | None
     submitted: float
+    channel: channels.ServerChannel | None = None  # a channel fast-path request: answered into its channel
+    seq: int = 0
 
 
 @dataclasses.dataclass
@@ -117,6 +129,13 @@ class InferenceServer:
         self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference-weights")
         self.gone_clients = 0  # channel clients whose process ended (their latent slots were freed)
         self._channel_loop: asyncio.AbstractEventLoop | None = None
+        # Channel requests handed to the event loop, and those answered, each counter written by one thread only
+        # (the loop; the loop's coroutine answers; the GPU thread's fast-path answers): outstanding = the difference.
+        self._channel_handed = 0
+        self._channel_answered_loop = 0
+        self._channel_answered_gpu = 0
+        self._channel_errors = 0  # requests the poller thread refused (its own counter: no race with the loop's)
+        self._gpu_errors = 0  # fast-path requests the GPU thread answered with an error
 
     # -- public API (async actor methods) -------------------------------------------------------------
 
@@ -185,7 +204,7 @@ class InferenceServer:
         channel, paths = made
         if self._poller is None:
             self._channel_loop = asyncio.get_running_loop()
-            self._poller = channels.Poller(self._on_channel_request, self.cfg.latent_timeout_s,
+            self._poller = channels.Poller(self._on_channel_requests, self.cfg.latent_timeout_s,
                                            on_gone=self._on_client_gone)
         self._poller.add(channel)
         return {"paths": paths}
@@ -205,11 +224,74 @@ class InferenceServer:
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
-    def _on_channel_request(self, channel: channels.ServerChannel, seq: int) -> None:
-        """Poller thread: a channel has a new request; serve it on the event loop."""
-        self._channel_loop.call_soon_threadsafe(self._serve_channel, channel, seq)
+    def _on_channel_requests(self, new: list[tuple[channels.ServerChannel, int]]) -> None:
+        """Poller thread: the new requests of one sweep. Recurrent ones are checked here, all at once, and go to
+        the event loop in one hop as `_Request`s; initial and search requests take the coroutine path."""
+        waves: list[tuple[channels.ServerChannel, int, int, bool]] = []
+        others: list[tuple[channels.ServerChannel, int]] = []
+        for channel, seq in new:
+            h = channel.header
+            if int(h[channels.KIND]) != channels.RECURRENT:
+                others.append((channel, seq))
+                continue
+            rows, limit = int(h[channels.ROWS]), len(channel.arrays["handles"])
+            if not 0 <= rows <= limit:
+                self._channel_errors += 1
+                channel.fail(seq, InferenceError(f"recurrent: channel rows={rows} must be in [0, {limit}] "
+                                                 "(the channel's max_rows)"))
+                continue
+            if rows == 0:
+                channel.reply(seq, self._empty(handles=True))
+                continue
+            waves.append((channel, seq, rows, bool(h[channels.STORE])))
+        requests = self._wave_requests(waves) if waves else []
+        if requests or others:
+            self._channel_loop.call_soon_threadsafe(self._enqueue_channel, requests, others)
+
+    def _wave_requests(self, waves: list[tuple[channels.ServerChannel, int, int, bool]]) -> list[_Request]:
+        """Poller thread: copy the waves' handles and actions out of their channels (one concatenation each),
+        check every action at once, and fail the requests with an action outside [0, A) alone."""
+        handles = np.concatenate([c.arrays["handles"][:n] for c, _, n, _ in waves])
+        actions = np.concatenate([c.arrays["actions"][:n] for c, _, n, _ in waves])
+        bad_rows = (actions < 0) | (actions >= self.num_actions)
+        now = time.perf_counter()
+        requests, offset = [], 0
+        for channel, seq, rows, store in waves:
+            sl = slice(offset, offset + rows)
+            offset += rows
+            if bad_rows[sl].any():
+                row = int(np.flatnonzero(bad_rows[sl])[0])
+                self._channel_errors += 1
+                channel.fail(seq, InferenceError(
+                    f"recurrent: actions must be in [0, {self.num_actions}), got {int(actions[sl][row])} at row {row}"))
+                continue
+            requests.append(_Request("recurrent", channel.client, (handles[sl], actions[sl], store), rows, None, now,
+                                     channel, seq))
+        return requests
+
+    def _enqueue_channel(self, requests: list[_Request],
+                         others: list[tuple[channels.ServerChannel, int]]) -> None:
+        """Event loop: queue a sweep's recurrent requests (backpressure per request, as `_submit`) and start the
+        coroutine of each other request."""
+        if requests:
+            self._ensure_batcher()
+            for request in requests:
+                queued = sum(self._queued_rows.values())
+                if queued and queued + request.rows > self.max_queue:
+                    self.overloaded += 1  # not an error (as in _submit): the client sends it again
+                    request.channel.fail(request.seq, self._overloaded(queued, request.rows))
+                    continue
+                self.peak_queued_rows = max(self.peak_queued_rows, queued + request.rows)
+                self._queues.setdefault("recurrent", collections.deque()).append(request)
+                self._queued_rows["recurrent"] += request.rows
+                self.requests += 1
+                self._channel_handed += 1
+            self._wake.set()
+        for channel, seq in others:
+            self._serve_channel(channel, seq)
 
     def _serve_channel(self, channel: channels.ServerChannel, seq: int) -> None:
+        """Event loop: a channel's initial, search (or, unvalidated, recurrent) request through its coroutine."""
         kind, rows, payload = channel.request()
         if kind == channels.RECURRENT:
             coro = self.recurrent(channel.client, *payload)
@@ -222,7 +304,10 @@ class InferenceServer:
             channel.fail(seq, InferenceError(f"channel: unknown request kind {kind} (or no obs buffer)"))
             return
 
+        self._channel_handed += 1
+
         def answer(task: asyncio.Task) -> None:
+            self._channel_answered_loop += 1
             error = InferenceError("request cancelled") if task.cancelled() else task.exception()
             if error is not None:
                 channel.fail(seq, error)
@@ -279,7 +364,8 @@ class InferenceServer:
             buckets[key] = {**m, "padding_fraction": m["padded"] / served if served else 0.0,
                             "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
                             "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
-        return {"version": self.version, "errors": self.errors, "requests": self.requests, "buckets": buckets,
+        errors = self.errors + self._channel_errors + self._gpu_errors
+        return {"version": self.version, "errors": errors, "requests": self.requests, "buckets": buckets,
                 "overloaded": self.overloaded, "queued_rows": sum(self._queued_rows.values()),
                 "peak_queued_rows": self.peak_queued_rows, "max_queue": self.max_queue,
                 "free_slots": self.pool.free, "clients": self.pool.clients,
@@ -368,12 +454,13 @@ class InferenceServer:
                 "must be equal-length 1-D integer arrays"
             )
         if actions.size and (actions.min() < 0 or actions.max() >= self.num_actions):
-            raise InferenceError(f"recurrent: actions must be in [0, {self.num_actions})")
+            bad = actions[(actions < 0) | (actions >= self.num_actions)]
+            raise InferenceError(f"recurrent: actions must be in [0, {self.num_actions}), got {int(bad[0])}")
         return handles.astype(np.int64), actions.astype(np.int64)
 
     # -- batching ------------------------------------------------------------------------------------
 
-    async def _submit(self, key: Any, client: str, payload: Any, rows: int) -> dict[str, np.ndarray]:
+    def _ensure_batcher(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             # One batcher per event loop (a Ray async actor has one; in-process callers may start several).
@@ -381,11 +468,18 @@ class InferenceServer:
             self._queues, self._queued_rows = {}, collections.Counter()
             self._wake = asyncio.Event()
             self.batcher = loop.create_task(self._batch_loop())
+        return loop
+
+    def _overloaded(self, queued: int, rows: int) -> InferenceOverloaded:
+        return InferenceOverloaded(f"inference actor overloaded: {queued} rows queued, {rows} more would pass "
+                                   f"inference.max_queue={self.max_queue} rows; retry later")
+
+    async def _submit(self, key: Any, client: str, payload: Any, rows: int) -> dict[str, np.ndarray]:
+        loop = self._ensure_batcher()
         queued = sum(self._queued_rows.values())
         if queued and queued + rows > self.max_queue:
             self.overloaded += 1
-            raise InferenceOverloaded(f"inference actor overloaded: {queued} rows queued, {rows} more would pass "
-                                      f"inference.max_queue={self.max_queue} rows; retry later")
+            raise self._overloaded(queued, rows)
         self.peak_queued_rows = max(self.peak_queued_rows, queued + rows)
         future = loop.create_future()
         self._queues.setdefault(key, collections.deque()).append(
@@ -411,7 +505,7 @@ class InferenceServer:
     async def _fill(self, key: Any, until: float = float("inf")) -> None:
         """Wait until `key` has a full batch queued, its oldest request has waited max_wait_us, or `until`."""
         deadline = min(self._queues[key][0].submitted + self.cfg.max_wait_us / 1e6, until)
-        while self._queued_rows[key] < self._limit(key):
+        while self._queued_rows[key] < self._limit(key) and not self._channels_all_waiting():
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return
@@ -420,6 +514,14 @@ class InferenceServer:
                 await asyncio.wait_for(self._wake.wait(), remaining)
             except asyncio.TimeoutError:
                 return
+
+    def _channels_all_waiting(self) -> bool:
+        """Every open channel has its one request queued or running: no channel can add rows before an answer."""
+        poller = self._poller
+        if poller is None:
+            return False
+        waiting = self._channel_handed - self._channel_answered_loop - self._channel_answered_gpu
+        return 0 < len(poller.channels) <= waiting
 
     def _take(self, key: Any) -> list[_Request]:
         queue, limit = self._queues[key], self._limit(key)
@@ -457,26 +559,34 @@ class InferenceServer:
                 continue
             await self._fill(key, float("inf") if inflight is None else fill_until)
             requests = self._take(key)
-            launched, finished = await loop.run_in_executor(self.gpu, self._step, key, requests, inflight)
-            # The previous batch is done, so `launched` is now the one running on the device.
-            fill_until = time.perf_counter() + 0.75 * self._expected_gpu_s(launched)
-            if inflight is not None:
-                self._deliver(inflight, finished)
+            launched, done = await loop.run_in_executor(self.gpu, self._step, key, requests, inflight)
+            # The previous batch is done, so `launched` is now the one running on the device (None on the CPU).
+            fill_until = time.perf_counter() + 0.75 * self._expected_gpu_s(launched) if launched is not None else 0.0
+            for batch, results in done:
+                self._deliver(batch, results)
             inflight = launched
 
-    def _step(self, key: Any, requests: list[_Request], inflight: _Batch | None) -> tuple[_Batch, list | None]:
-        """GPU thread: launch the new batch, then wait for and unpack the one in flight."""
+    def _step(self, key: Any, requests: list[_Request], inflight: _Batch | None
+              ) -> tuple[_Batch | None, list[tuple[_Batch, list]]]:
+        """GPU thread: launch the new batch, then wait for and unpack the one in flight; returns the batch now in
+        flight and the finished (batch, results). On the CPU a launch computes the batch, so it is finished at
+        once (its answers would otherwise wait for the next batch's compute)."""
         launched = self._launch(key, requests)
-        return launched, (self._finish(inflight) if inflight is not None else None)
+        done = [(inflight, self._finish(inflight))] if inflight is not None else []
+        if not self.runner.cuda:
+            done.append((launched, self._finish(launched)))
+            launched = None
+        return launched, done
 
-    @staticmethod
-    def _deliver(batch: _Batch, results: list) -> None:
+    def _deliver(self, batch: _Batch, results: list) -> None:
         for request, result in zip(batch.requests, results):
+            if isinstance(result, Exception) and not isinstance(result, InferenceError):
+                result = InferenceError(f"{batch.kind}: {type(result).__name__}: {result}")
+            if request.channel is not None:  # the fast path: the GPU thread answered it (_answer_channels)
+                continue
             if request.future.done():
                 continue
             if isinstance(result, Exception):
-                if not isinstance(result, InferenceError):
-                    result = InferenceError(f"{batch.kind}: {type(result).__name__}: {result}")
                 request.future.set_exception(result)
             else:
                 request.future.set_result(result)
@@ -593,7 +703,30 @@ class InferenceServer:
                 self._record(batch)
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             batch.results = [r if r is not None else error for r in batch.results]
+        self._answer_channels(batch)
         return batch.results
+
+    def _answer_channels(self, batch: _Batch) -> None:
+        """GPU thread: write the answers of the batch's fast-path requests into their channels now."""
+        for request, result in zip(batch.requests, batch.results):
+            if request.channel is None:
+                continue
+            if result is _ANSWERED:
+                self._channel_answered_gpu += 1
+                continue
+            if result is None:
+                result = InferenceError(f"{batch.kind}: the batch ended without an answer for this request")
+            elif isinstance(result, Exception) and not isinstance(result, InferenceError):
+                result = InferenceError(f"{batch.kind}: {type(result).__name__}: {result}")
+            try:
+                if isinstance(result, Exception):
+                    self._gpu_errors += 1
+                    request.channel.fail(request.seq, result)
+                else:
+                    request.channel.reply(request.seq, result)
+            except Exception as error:  # noqa: BLE001 - one unwritable answer must not stop the batcher
+                request.channel.fail(request.seq, InferenceError(f"{batch.kind}: answer not written: {error}"))
+            self._channel_answered_gpu += 1
 
     def _split_net(self, batch: _Batch, outputs: dict[str, np.ndarray]) -> None:
         out = outputs["out"]
@@ -610,17 +743,26 @@ class InferenceServer:
             cache.value[insert[rows]] = value[rows]
             cache.logits[insert[rows]] = logits[rows]
             reward = np.zeros(len(hit), np.float32)
+        finite = np.isfinite(value) & np.isfinite(logits).all(axis=1)
         offset = 0
         for i, handles in zip(batch.live, batch.handles):
             n = len(handles)
             sl = slice(offset, offset + n)
             offset += n
-            if not (np.isfinite(value[sl]).all() and np.isfinite(logits[sl]).all()):
+            if not finite[sl].all():
                 batch.results[i] = InferenceError(f"{batch.kind}: the network produced NaN for this request (NaN input?)")
                 if batch.plan is not None:
                     for pos in range(sl.start, sl.stop):
                         if batch.plan["insert"][pos] >= 0:
                             self.cache.drop(batch.plan["keys"][pos])
+                continue
+            request = batch.requests[i]
+            if request.channel is not None and batch.plan is None:  # the fast path: one copy into the channel
+                try:
+                    request.channel.reply_rows(request.seq, out[sl], handles, batch.version)
+                    batch.results[i] = _ANSWERED
+                except Exception as error:  # noqa: BLE001 - answered as an error by _answer_channels
+                    batch.results[i] = InferenceError(f"{batch.kind}: answer not written: {error}")
                 continue
             batch.results[i] = {"handles": handles, "value": value[sl].copy(), "reward": reward[sl].copy(),
                                 "policy_logits": logits[sl].copy(), "version": batch.version}
