@@ -21,7 +21,16 @@ def actor():
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
     server = ray.remote(InferenceServer).options(max_concurrency=100).remote(MODEL, cfg, (4,), 3, 0)
-    ray.get(server.get_version.remote())
+    # Random weights: a fresh network's output layers start at zero, so every answer would be the same and a
+    # swapped or misplaced row would go unseen.
+    import torch
+
+    from rayzero.models import build_model
+
+    generator = torch.Generator().manual_seed(0)
+    state = {k: (v + 0.5 * torch.randn(v.shape, generator=generator) if v.is_floating_point() else v).numpy()
+             for k, v in build_model(MODEL, (4,), 3).state_dict().items()}
+    ray.get(server.set_weights.remote(0, state))
     yield server
     ray.shutdown()
 
@@ -34,6 +43,7 @@ def test_channel_answers_equal_ray_calls(actor):
     direct = ray.get(actor.initial.remote("direct", obs))
     for key in ("value", "reward", "policy_logits"):
         np.testing.assert_allclose(root[key], direct[key], rtol=1e-5, atol=1e-6)
+    assert np.ptp(root["value"]) > 1e-3 and np.ptp(root["policy_logits"][:, 0]) > 1e-3  # rows differ
     actions = np.array([0, 1, 2, 0, 1, 2])
     step = client.recurrent(root["handles"], actions)
     direct_step = ray.get(actor.recurrent.remote("direct", direct["handles"], actions))
