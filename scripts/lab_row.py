@@ -42,6 +42,12 @@ def main() -> None:
             print(f"  eval at {r['wall_seconds']:4.0f} s: {r['eval_return_mean']:6.1f} +- {r.get('eval_return_std', 0):.1f}"
                   f" ({r.get('eval_episodes')} games, {r.get('eval_seconds', 0):.0f} s, version {r.get('eval_last_version')},"
                   f" updates {r.get('learner_steps')})")
+    evaluated = [r for r in rows if r.get("eval_return_mean") is not None]
+    if evaluated:  # the report: the first evaluation at or above each return
+        firsts = {t: next((r["wall_seconds"] for r in evaluated if r["eval_return_mean"] >= t), None)
+                  for t in (-10, 0, 10, 18)}
+        print("  first eval at or above: " + ", ".join(f"{t:+d} {'-' if w is None else f'{w:.0f} s'}"
+                                                       for t, w in firsts.items()))
     learning = [r for r in rows if "policy_loss" in r]
     if learning:  # the first learner rows: a blow-up at the start (Pong runs 2 and 10) shows here
         print("  first rows: " + ", ".join(f"{r['learner_steps']} updates: grad {r.get('grad_norm', 0):.3g} "
