@@ -283,3 +283,31 @@ def test_a_failed_whole_search_is_sent_again_and_one_that_keeps_failing_raises(a
             assert len(network.search(obs, 1.0)["action"]) == 3  # the actor serves again afterwards
     finally:
         ray.kill(server)
+
+
+def test_set_published_takes_the_learners_weights_ref_once_it_is_made(actor):
+    """The driver hands the inference actor the ref of a learner's weights() result without waiting for it
+    (train.py's _publish): the actor serves the new weights once they exist, with their version."""
+    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4)
+    server = ray.remote(InferenceServer).options(max_concurrency=10).remote(MODEL, cfg, (4,), 3, 0)
+    obs = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    before = ray.get(server.initial.remote("c", obs))
+
+    @ray.remote
+    def slow_weights():  # a learner's weights(): (version, state_dict), ready after a while
+        import torch
+
+        from rayzero.models import build_model
+
+        time.sleep(1.0)
+        generator = torch.Generator().manual_seed(3)
+        return 5, {k: (v + torch.randn(v.shape, generator=generator) if v.is_floating_point() else v).numpy()
+                   for k, v in build_model(MODEL, (4,), 3).state_dict().items()}
+
+    ref = slow_weights.remote()
+    done = server.set_published.remote(ref)
+    assert ray.get(server.get_version.remote()) == 0  # the actor serves on while the weights are being made
+    assert ray.get(done) == 5
+    after = ray.get(server.initial.remote("c", obs))
+    assert after["version"] == 5 and not np.allclose(after["value"], before["value"])
+    ray.kill(server)
