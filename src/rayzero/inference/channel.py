@@ -146,14 +146,18 @@ class Poller:
     `on_requests([(channel, seq), ...])` at once (called on this thread; the server validates recurrent waves
     here and forwards them to its event loop in one hop). Once a second it closes the channels of clients
     whose process ended (then calls `on_gone(client)`) and those idle longer than `idle_timeout_s` (if > 0): a
-    client that comes back opens a new one."""
+    client that comes back opens a new one. It sweeps every `sleep_s` while requests come, and backs off to
+    `idle_sleep_s` once none has come for `idle_after_s` (self-play held back by the replay ratio leaves every
+    channel quiet for seconds, and a spinning sweep takes a core and the actor's GIL)."""
 
     def __init__(self, on_requests: Callable[[list[tuple[ServerChannel, int]]], None], idle_timeout_s: float = 0.0,
-                 sleep_s: float = 20e-6, on_gone: Callable[[str], None] | None = None):
+                 sleep_s: float = 20e-6, on_gone: Callable[[str], None] | None = None, idle_after_s: float = 0.005,
+                 idle_sleep_s: float = 500e-6):
         self.on_requests = on_requests
         self.on_gone = on_gone
         self.idle_timeout_s = idle_timeout_s
         self.sleep_s = sleep_s
+        self.idle_after_s, self.idle_sleep_s = idle_after_s, idle_sleep_s
         self.channels: dict[str, ServerChannel] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="inference-channels", daemon=True)
@@ -181,7 +185,7 @@ class Poller:
         channel.close()
 
     def _run(self) -> None:
-        last_sweep = time.monotonic()
+        last_sweep = last_request = time.monotonic()
         while True:  # a daemon thread: it ends with the actor's process
             with self._lock:
                 channels = list(self.channels.values())
@@ -194,6 +198,7 @@ class Poller:
                     channel.last_active = now
                     new.append((channel, seq))
             if new:
+                last_request = now
                 try:
                     self.on_requests(new)
                 except Exception as error:  # noqa: BLE001 - these requests fail, the poller goes on
@@ -215,7 +220,7 @@ class Poller:
                           and channel.seen == int(channel.header[DONE])):
                         self._drop(channel)
             if not new:
-                time.sleep(self.sleep_s)
+                time.sleep(self.idle_sleep_s if now - last_request > self.idle_after_s else self.sleep_s)
 
 
 class InferenceClient:
