@@ -282,7 +282,6 @@ class Driver:
                 self.counters, time.perf_counter(), self.interrupt_requested)
             if self.stop_reason:
                 break
-            self._take_weights()
             in_flight = {call.key for call in self.pending.values()}
             for call in schedule.next_calls(self.counters, in_flight, self.actors, time.perf_counter(),
                                             handles.replay.all_sampleable):

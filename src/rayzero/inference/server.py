@@ -50,6 +50,12 @@ def bucket_ladder(min_bucket: int, max_batch: int) -> list[int]:
     return sizes
 
 
+def _as_inference_error(kind: str, error: Exception) -> InferenceError:
+    """What a request gets for a failure in its batch: the error itself when it is the actor's, else wrapped
+    with the batch's kind."""
+    return error if isinstance(error, InferenceError) else InferenceError(f"{kind}: {type(error).__name__}: {error}")
+
+
 _ANSWERED = object()  # the result of a fast-path request already written into its channel
 
 
@@ -580,14 +586,12 @@ class InferenceServer:
 
     def _deliver(self, batch: _Batch, results: list) -> None:
         for request, result in zip(batch.requests, results):
-            if isinstance(result, Exception) and not isinstance(result, InferenceError):
-                result = InferenceError(f"{batch.kind}: {type(result).__name__}: {result}")
             if request.channel is not None:  # the fast path: the GPU thread answered it (_answer_channels)
                 continue
             if request.future.done():
                 continue
             if isinstance(result, Exception):
-                request.future.set_exception(result)
+                request.future.set_exception(_as_inference_error(batch.kind, result))
             else:
                 request.future.set_result(result)
 
@@ -716,8 +720,8 @@ class InferenceServer:
                 continue
             if result is None:
                 result = InferenceError(f"{batch.kind}: the batch ended without an answer for this request")
-            elif isinstance(result, Exception) and not isinstance(result, InferenceError):
-                result = InferenceError(f"{batch.kind}: {type(result).__name__}: {result}")
+            elif isinstance(result, Exception):
+                result = _as_inference_error(batch.kind, result)
             try:
                 if isinstance(result, Exception):
                     self._gpu_errors += 1

@@ -186,7 +186,8 @@ class Learner:
         # Its forward over [B, K+1] observations costs more GPU time than the step's own: compiled too.
         self._bootstrap = _SideStep(bootstrap_values, "the target network", use_compile and self.target is not None)
         self._consistency_targets = _SideStep(self.loss_module.consistency_targets, "the consistency targets",
-                                              use_compile and cfg.consistency_targets == "separate")
+                                              use_compile and self.consistency is not None
+                                              and cfg.consistency_targets == "separate")
         if (self.consistency is not None and cfg.consistency_targets == "step" and use_compile
                 and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"):
             log.warning("learner.consistency_targets=step with CUDA graphs: the consistency loss did not train this "
