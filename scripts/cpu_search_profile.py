@@ -316,6 +316,7 @@ def profile_row(ray: Any, roots: int, simulations: int, steps: int, overrides: l
     actor = ray.remote(ProfiledSelfPlay).options(num_cpus=0).remote(
         cfg.env, cfg.model, cfg.search, cfg.replay, 1, cfg.cluster.torch_threads, [sink], server, "selfplay-0", 0,
         whole_search=False)
+    where = ray.get(server.__ray_call__.remote(lambda self: __import__("rayzero").__file__))
     try:
         ray.get(actor.collect.remote(2, 1.0, None))  # compiles, opens the channels
         ray.get([actor.prof_take.remote(), server.prof_take.remote()])
@@ -343,7 +344,10 @@ def profile_row(ray: Any, roots: int, simulations: int, steps: int, overrides: l
         ray.kill(actor)
         ray.kill(server)
         ray.kill(sink)
-    return summarize(roots, simulations, result, client, srv, net_s, net_half_s, load0)
+    row = summarize(roots, simulations, result, client, srv, net_s, net_half_s, load0)
+    row["fake_network_us"] = fake_network_us
+    row["server_rayzero"] = where
+    return row
 
 
 def summarize(roots, simulations, result, client, srv, net_s, net_half_s, load0) -> dict[str, Any]:
@@ -398,7 +402,7 @@ def print_row(row: dict[str, Any]) -> None:
     w, r = row["per_wave_us"], row["round_trip_us"]
     print(f"\nroots/half {row['roots_per_half']}, {row['simulations']} simulations: "
           f"{row['env_steps_per_second']:,.0f} env steps/s, step p50 {row['step_ms_p50']:.1f} ms "
-          f"= {1e3 * row['wave_ms']:.0f} us per wave; load {row['loadavg']:.2f}")
+          f"= {1e3 * row['wave_ms']:.0f} us per wave; load {row['loadavg']:.2f}; {row['server_rayzero']}")
     print("  actor side, per wave of one half (us): " + "  ".join(f"{k} {v:.0f}" for k, v in w.items()))
     print("  round trip split (us):                  " + "  ".join(f"{k} {v:.0f}" for k, v in r.items()))
     print(f"  batches: {row['requests_per_batch'] or 0:.2f} requests, {row['rows_per_batch'] or 0:.1f} rows; "
