@@ -813,3 +813,68 @@ def test_selfplay_in_halves_through_ray(whole_search):
         assert ray.get(actor.stats.remote())["errors"] == 0
     finally:
         ray.shutdown()
+
+
+def _sequential(pool, clients, handles, store):
+    """What check_allocate must equal: check, then allocate (or -1s), request by request."""
+    out = []
+    for client, h, keep in zip(clients, handles, store):
+        try:
+            pool.check(client, h)
+            out.append(pool.allocate(client, len(h)) if keep else np.full(len(h), -1, np.int64))
+        except InferenceError as error:
+            out.append(error)
+    return out
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0])
+def test_a_batchs_slot_checks_and_allocations_at_once_equal_them_one_request_at_a_time(timeout_s):
+    """A batch of 6 requests: good ones of two clients, an empty one, one with store=False, one with another
+    client's handle and one out of range. Known answers on a 20-slot pool (slots are handed out from 0 up): the
+    pools that served the batch at once and one request at a time end in the same state and gave the same slots and
+    errors, and a refused request took no slots."""
+    from rayzero.inference.pool import LatentPool
+
+    pools = [LatentPool(20, timeout_s), LatentPool(20, timeout_s)]
+    for pool in pools:
+        assert pool.allocate("a", 3).tolist() == [0, 1, 2] and pool.allocate("b", 2).tolist() == [3, 4]
+    clients = ["a", "b", "a", "b", "a", "b"]
+    handles = [np.array([0, 2]), np.array([3]), np.array([], np.int64), np.array([4, 0]), np.array([1, 25]),
+               np.array([4, 3, 3])]
+    store = [True, True, True, True, True, False]
+    batched = pools[0].check_allocate(clients, handles, store)
+    one_by_one = _sequential(pools[1], clients, handles, store)
+    assert [x.tolist() for x in batched[:3]] == [[5, 6], [7], []]
+    assert "unknown latent handles for client 'b'" in str(batched[3])
+    assert "out of range [0, 20): 1..25" in str(batched[4])
+    assert batched[5].tolist() == [-1, -1, -1]
+    for x, y in zip(batched, one_by_one):
+        if isinstance(y, InferenceError):
+            assert type(x) is type(y) and str(x) == str(y)
+        else:
+            assert x.tolist() == y.tolist()
+    for pool in pools:
+        assert pool.free == 20 - 8
+    assert pools[0].allocate("c", 2).tolist() == pools[1].allocate("c", 2).tolist() == [8, 9]
+    assert pools[0].release("a") == pools[1].release("a") == 3 + 2 and pools[0].release("b") == 2 + 1
+
+
+def test_a_batch_that_needs_more_slots_than_are_free_reclaims_as_one_request_at_a_time_does():
+    """A 6-slot pool: 'b' holds slot 0, then 'a' slots 1-4 (1 free). A batch of 'a' (2 rows) then 'b' (1 row) wants
+    3: 'a''s allocation reclaims 'b', the least recently active client, and 'b''s request then fails its check,
+    as one request at a time."""
+    from rayzero.inference.pool import LatentPool
+
+    answers = []
+    for batched in (True, False):
+        pool = LatentPool(6)
+        b = pool.allocate("b", 1)
+        a = pool.allocate("a", 4)
+        clients, handles, store = ["a", "b"], [a[:2], b], [True, True]
+        got = pool.check_allocate(clients, handles, store) if batched else _sequential(pool, clients, handles, store)
+        answers.append(([g.tolist() if isinstance(g, np.ndarray) else str(g) for g in got], pool.free,
+                        pool.reclaimed_clients))
+    assert answers[0] == answers[1]
+    (slots_a, error_b), free, reclaimed = answers[0]
+    assert sorted(slots_a) == [0, 5] and "unknown latent handles for client 'b'" in error_b
+    assert free == 0 and reclaimed == 1

@@ -311,3 +311,29 @@ def test_set_published_takes_the_learners_weights_ref_once_it_is_made(actor):
     after = ray.get(server.initial.remote("c", obs))
     assert after["version"] == 5 and not np.allclose(after["value"], before["value"])
     ray.kill(server)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/timerslack_ns"), reason="Linux timer slack")
+def test_the_poller_thread_sleeps_with_a_fine_timer_slack_and_other_threads_keep_theirs():
+    """Linux ends a sleep up to the thread's timer slack late (50 us by default): the poller's 20 us sweeps set
+    their thread's slack to 1 us. Known answers: the poller's thread reads back 1000 ns (prctl); the thread that
+    made the poller keeps the slack it had; so does a thread that sets it (`set_timer_slack` returns 1000)."""
+    import ctypes
+
+    from rayzero.inference import channel
+
+    libc = ctypes.CDLL(None)
+    mine = libc.prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+    poller = channel.Poller(lambda new: None)
+    deadline = time.monotonic() + 5
+    while poller.timer_slack_ns is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert poller.timer_slack_ns == channel.POLL_TIMER_SLACK_NS == 1000
+    assert libc.prctl(30, 0, 0, 0, 0) == mine
+
+    out = []
+    thread = __import__("threading").Thread(
+        target=lambda: out.append((channel.set_timer_slack(1000), libc.prctl(30, 0, 0, 0, 0))))
+    thread.start()
+    thread.join()
+    assert out == [(1000, 1000)] and libc.prctl(30, 0, 0, 0, 0) == mine

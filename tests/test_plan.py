@@ -92,3 +92,17 @@ def test_the_plan_prints_as_a_table_and_saves_as_json():
 def test_search_device_cpu_keeps_the_searches_on_the_self_play_actors():
     plan = cluster.plan(config_lib.load("atari", ["search.device=cpu"]), {"CPU": 16.0, "GPU": 1.0})
     assert plan.inference is not None and plan.inference.device == "cuda" and not plan.whole_search
+
+
+def test_actors_run_at_most_as_many_torch_threads_as_the_cpus_they_reserve():
+    """12 self-play actors of 1 CPU on a 16-core host: cluster.torch_threads=8 would give each 8 threads (96 on 16
+    cores); each gets 1. A role of 4 CPUs gets the 3 asked for, or 4 of 6; a role of no or half a CPU gets 1."""
+    cfg = config_lib.load("atari", ["cluster.torch_threads=8"])
+    plan = cluster.plan(cfg, {"CPU": 16.0, "GPU": 1.0})
+    assert plan.selfplay.count == 12 and plan.selfplay.cpus == 1.0
+    assert plan.selfplay.torch_threads(cfg.cluster.torch_threads) == 1
+    assert plan.inference.torch_threads(cfg.cluster.torch_threads) == 1
+    assert plan.evaluation.cpus == 0.0 and plan.evaluation.torch_threads(8) == 1
+    four = cluster.Role(1, 4.0)
+    assert (four.torch_threads(3), four.torch_threads(6), four.torch_threads(1)) == (3, 4, 1)
+    assert cluster.Role(1, 0.5).torch_threads(4) == 1

@@ -431,7 +431,8 @@ class ClusterConfig:
     reanalyse_gpus: float = 0.0
     """GPUs (or a share of one) per reanalyse actor: its searches then run on that GPU."""
     torch_threads: int = 1
-    """torch intra-op threads in each actor."""
+    """torch intra-op threads in each actor; an actor of a role with CPUs reserved runs at most that many
+    (`plan.Role.torch_threads`), so actors sharing a host do not take each other's cores."""
     max_selfplay_actors: int = 0
     """Elastic self-play: grow up to this many actors while the cluster has free CPUs (0 = fixed at
     num_selfplay_actors). Actors lost with a node are dropped and replaced when resources return."""

@@ -163,7 +163,7 @@ def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:
     inference_cfg = dataclasses.replace(config.inference, device=p.inference.device)
     return ray.remote(InferenceServer).options(**p.inference.actor_options()).remote(
         config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
-        config.cluster.torch_threads, obs_dtype=spec.observation_dtype, search_cfg=config.search,
+        p.inference.torch_threads(config.cluster.torch_threads), obs_dtype=spec.observation_dtype, search_cfg=config.search,
         discount=config.replay.discount,
     )
 
@@ -178,8 +178,8 @@ def build(config: Config, spec: EnvSpec, p: Plan | None = None, run_dir: str | N
     inference = make_inference(config, spec, p)
     # On a GPU, evaluation searches through the inference actor, as self-play does.
     evaluation = ray.remote(EvalWorker).options(**p.evaluation.actor_options()).remote(
-        config.env, config.model, config.search, config.replay.discount, c.torch_threads,
-        server=inference if p.whole_search else None,
+        config.env, config.model, config.search, config.replay.discount,
+        p.evaluation.torch_threads(c.torch_threads), server=inference if p.whole_search else None,
     )
     if p.autoscaler_bundles:
         from ray.autoscaler.sdk import request_resources
@@ -191,7 +191,7 @@ def build(config: Config, spec: EnvSpec, p: Plan | None = None, run_dir: str | N
         reanalyse = [
             ray.remote(ReanalyseWorker).options(**p.reanalyse.actor_options()).remote(
                 config.model, config.search, config.replay.discount, spec.observation_shape, spec.num_actions,
-                seed * 1000 + 500 + i, c.torch_threads, p.reanalyse.device)
+                seed * 1000 + 500 + i, p.reanalyse.torch_threads(c.torch_threads), p.reanalyse.device)
             for i in range(p.reanalyse.count)
         ]
     return Handles(replay, learner, selfplay, evaluation, inference, p, reanalyse)
@@ -215,7 +215,7 @@ def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root:
 def make_selfplay(config: Config, p: Plan, replay: ReplayShards, inference: Any, index: int) -> Any:
     return ray.remote(_RemoteSelfPlay).options(**p.selfplay.actor_options()).remote(
         config.env, config.model, config.search, config.replay, config.run.seed * 1000 + index + 1,
-        config.cluster.torch_threads, replay.actors, inference, selfplay_name(index), index,
+        p.selfplay.torch_threads(config.cluster.torch_threads), replay.actors, inference, selfplay_name(index), index,
         whole_search=p.whole_search,
     )
 

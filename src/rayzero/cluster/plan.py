@@ -34,6 +34,12 @@ class Role:
         """What `ray.remote(cls).options(...)` gets for one actor of the role."""
         return {"num_cpus": self.cpus, "num_gpus": self.gpus, **self.options}
 
+    def torch_threads(self, requested: int) -> int:
+        """torch intra-op threads for one actor of the role: `requested` (cluster.torch_threads), at most the
+        whole CPUs it reserves and at least 1. Many actors share a host, each with its CPU share: an actor
+        running more threads than that takes cores from the others (thrashing), not speed."""
+        return max(1, min(int(requested), int(self.cpus)))
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerRanks:

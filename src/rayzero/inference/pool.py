@@ -108,6 +108,81 @@ class LatentPool:
                 raise InferenceError(f"unknown latent handles for client {client!r} (released or never allocated)")
             self._touch(client, self.clock())
 
+    def check_allocate(self, clients: list[str], handles: list[np.ndarray], store: list[bool]
+                       ) -> list[np.ndarray | InferenceError]:
+        """For each request i of a batch, in order: `check(clients[i], handles[i])`, then its new slots
+        `allocate(clients[i], len(handles[i]))` if store[i], else -1 per row; or the InferenceError that request
+        alone gets (the others are served). One lock and one vectorised check for the whole batch when the pool
+        has the slots and no timeout can reclaim a client meanwhile; otherwise request by request, as above."""
+        n = len(clients)
+        counts = [len(h) for h in handles]
+        with self._lock:
+            wanted = sum(c for c, s in zip(counts, store) if s)
+            if self.timeout_s <= 0 and self._top >= wanted and n:
+                return self._check_allocate_at_once(clients, handles, store, counts, wanted)
+        out: list[np.ndarray | InferenceError] = []
+        for client, h, keep, count in zip(clients, handles, store, counts):
+            try:
+                self.check(client, h)
+                out.append(self.allocate(client, count) if keep else np.full(count, -1, np.int64))
+            except InferenceError as error:
+                out.append(error)
+        return out
+
+    def _check_allocate_at_once(self, clients: list[str], handles: list[np.ndarray], store: list[bool],
+                                counts: list[int], wanted: int) -> list[np.ndarray | InferenceError]:
+        """`check_allocate` under the lock, with `wanted` <= free slots: nothing is reclaimed, so checking every
+        request first and then allocating gives what request-by-request order does."""
+        n = len(clients)
+        now = self.clock()
+        flat = np.concatenate(handles) if n > 1 else handles[0]
+        cids = [self._ids.get(c, -2) if c in self._slots else -2 for c in clients]
+        refused: list[InferenceError | None] = [None] * n
+        if len(flat):
+            expected = np.repeat(np.asarray(cids, np.int64), counts) if n > 1 else cids[0]
+            if flat.min() < 0 or flat.max() >= self.size:
+                in_range = (flat >= 0) & (flat < self.size)
+                wrong = ~in_range | (self._owner[np.where(in_range, flat, 0)] != expected)
+            else:
+                in_range, wrong = None, self._owner[flat] != expected
+            if wrong.any():  # the rare case: say which requests, and why (range first, as `check` does)
+                offset = 0
+                for i, (client, count) in enumerate(zip(clients, counts)):
+                    rows = slice(offset, offset + count)
+                    offset += count
+                    if in_range is not None and not in_range[rows].all():
+                        h = handles[i]
+                        refused[i] = InferenceError(
+                            f"latent handle out of range [0, {self.size}): {int(h.min())}..{int(h.max())}")
+                    elif wrong[rows].any():
+                        refused[i] = InferenceError(
+                            f"unknown latent handles for client {client!r} (released or never allocated)")
+        fresh = self._free[self._top - wanted:self._top][::-1].copy()
+        out: list[np.ndarray | InferenceError] = []
+        owners: list[int] = []
+        lengths: list[int] = []
+        offset = 0
+        for client, count, keep, error in zip(clients, counts, store, refused):
+            if error is not None:
+                out.append(error)
+                continue
+            if count or keep:
+                self._touch(client, now)
+            if not keep:
+                out.append(np.full(count, -1, np.int64))
+                continue
+            slots = fresh[offset:offset + count]
+            offset += count
+            owners.append(self._ids.setdefault(client, len(self._ids)))
+            lengths.append(count)
+            self._slots.setdefault(client, []).append(slots)
+            out.append(slots)
+        if offset:
+            taken = fresh[:offset]
+            self._owner[taken] = owners[0] if len(owners) == 1 else np.repeat(np.asarray(owners, np.int64), lengths)
+        self._top -= offset  # what refused requests would have had stays on the stack, where it was
+        return out
+
     def release(self, client: str) -> int:
         """Free every slot of `client`; returns how many."""
         with self._lock:

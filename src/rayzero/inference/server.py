@@ -260,12 +260,13 @@ class InferenceServer:
         handles = np.concatenate([c.arrays["handles"][:n] for c, _, n, _ in waves])
         actions = np.concatenate([c.arrays["actions"][:n] for c, _, n, _ in waves])
         bad_rows = (actions < 0) | (actions >= self.num_actions)
+        any_bad = bool(bad_rows.any())  # one check for the sweep; rows per request only when one is bad
         now = time.perf_counter()
         requests, offset = [], 0
         for channel, seq, rows, store in waves:
             sl = slice(offset, offset + rows)
             offset += rows
-            if bad_rows[sl].any():
+            if any_bad and bad_rows[sl].any():
                 row = int(np.flatnonzero(bad_rows[sl])[0])
                 self._channel_errors += 1
                 channel.fail(seq, InferenceError(
@@ -618,23 +619,24 @@ class InferenceServer:
         return batch
 
     def _launch_recurrent(self, batch: _Batch) -> None:
-        src, actions, dst = [], [], []
-        for i, request in enumerate(batch.requests):
-            handles, acts, store = request.payload
-            try:
-                self.pool.check(request.client, handles)
-                slots = self.pool.allocate(request.client, len(handles)) if store else np.full(len(handles), -1)
-            except InferenceError as error:
-                batch.results[i] = error
+        payloads = [request.payload for request in batch.requests]
+        # Every request's check and new slots at once (a request with a bad handle fails alone).
+        answers = self.pool.check_allocate([r.client for r in batch.requests], [p[0] for p in payloads],
+                                           [p[2] for p in payloads])
+        src, actions = [], []
+        for i, slots in enumerate(answers):
+            if isinstance(slots, InferenceError):
+                batch.results[i] = slots
                 continue
             batch.live.append(i)
             batch.handles.append(slots)
-            src.append(handles)
-            actions.append(acts)
-            dst.append(slots)
+            src.append(payloads[i][0])
+            actions.append(payloads[i][1])
         if batch.live:
-            batch.flight = self.runner.launch_recurrent(np.concatenate(src), np.concatenate(actions),
-                                                        np.concatenate(dst))
+            one = len(batch.live) == 1
+            batch.flight = self.runner.launch_recurrent(
+                src[0] if one else np.concatenate(src), actions[0] if one else np.concatenate(actions),
+                batch.handles[0] if one else np.concatenate(batch.handles))
 
     def _allocate_all(self, batch: _Batch) -> None:
         for i, request in enumerate(batch.requests):
@@ -748,12 +750,13 @@ class InferenceServer:
             cache.logits[insert[rows]] = logits[rows]
             reward = np.zeros(len(hit), np.float32)
         finite = np.isfinite(value) & np.isfinite(logits).all(axis=1)
+        all_finite = bool(finite.all())  # one check for the batch; rows per request only when one is not
         offset = 0
         for i, handles in zip(batch.live, batch.handles):
             n = len(handles)
             sl = slice(offset, offset + n)
             offset += n
-            if not finite[sl].all():
+            if not all_finite and not finite[sl].all():
                 batch.results[i] = InferenceError(f"{batch.kind}: the network produced NaN for this request (NaN input?)")
                 if batch.plan is not None:
                     for pos in range(sl.start, sl.stop):
