@@ -78,7 +78,7 @@ def test_unknown_benchmark():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["selfplay", "--rows", "preset,nosuchrow"], ["nosuchrow", "envs64", "cpu"]),
+    (["selfplay", "--rows", "preset,nosuchrow"], ["nosuchrow", "envs16", "cpu"]),
     (["selfplay", "--rows", ","], ["preset", "sims200"]),
     (["tree", "--rows", "cpu"], ["--rows", "selfplay"]),
 ])

@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=None,
                        help="selfplay: timed seconds per row (default 30, --quick 3)")
     bench.add_argument("--rows", default=None,
-                       help="selfplay on a GPU host: comma-separated rows to run (preset, envs64, sims200, cpu; "
+                       help="selfplay on a GPU host: comma-separated rows to run (preset, envs16, sims200, cpu; "
                             "default all)")
     bench.add_argument("--kill-every", type=float, default=None,
                        help="faults: seconds between self-play actor kills (default 10)")

@@ -6,9 +6,10 @@ reports env steps/s and frames/s in the steady state, the env-only ceiling measu
 actors stepping the same envs with random actions), their ratio, the decision latency per step (p50, p99;
 every env of an actor waits one batched step for its next action), one env alone (p50, p99), GPU utilisation
 and energy per env step (NVML), and how full the inference actor's batches were. On a GPU host the
-default rows are the `atari` preset at 50 simulations with its envs per actor and with 64, at 200 simulations,
-and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor);
-`--rows preset,envs64,sims200,cpu` picks some of them (a device call may not have time for all four).
+default rows are the `atari` preset at 50 simulations with its envs per actor and with 16, at 200 simulations,
+and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor),
+each with as many self-play actors as the host plan gives; `--rows preset,envs16,sims200,cpu` picks some of
+them (a device call may not have time for all four).
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
@@ -214,10 +215,13 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     return row
 
 
-GPU_ROWS = {"preset": [], "envs64": ["env.num_envs=64"], "sims200": ["search.num_simulations=200"],
-            "cpu": ["search.device=cpu"]}
-"""The rows on a GPU host: the preset, then 64 envs per actor (searches of 4x the roots: the one-GPU-host issue's
-question), 200 simulations, and the trees walked on the CPU."""
+_HOST = ["cluster.num_selfplay_actors=0"]
+GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"],
+            "sims200": [*_HOST, "search.num_simulations=200"], "cpu": [*_HOST, "search.device=cpu"]}
+"""The rows on a GPU host: the preset's envs per actor, then 16 (searches of a quarter the roots), 200
+simulations, and the trees walked on the CPU. Every row sizes self-play from the host (as many actors as the
+plan gives): the preset pins one actor, which is what its learner needs at its replay ratio, while this bench
+measures what self-play on the host can do."""
 
 
 def check_rows(only: list[str] | None) -> list[str] | None:
