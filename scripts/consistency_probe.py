@@ -19,7 +19,6 @@ import argparse
 import time
 
 import numpy as np
-import torch
 
 from rayzero import config as config_mod
 from rayzero.envs import make_vector_env
@@ -39,6 +38,9 @@ def main() -> None:
                         help="direct: batches with observations attached (stacked, no shared memory); cache: a run's "
                              "path, frames in shared memory (replay.frame_stack=4) gathered by the learner's Staging "
                              "through its device observation cache")
+    parser.add_argument("--frames", choices=("pong", "noise"), default="pong",
+                        help="pong: frames of random Pong play; noise: uniform random frames of the same shape "
+                             "(what test_compiled_consistency_step_follows_the_eager_one_at_the_atari_size feeds)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = config_mod.load("atari", [
@@ -61,6 +63,8 @@ def main() -> None:
         rewards.append(result.reward)
     env.close()
     frames, actions, rewards = np.stack(frames, 1), np.stack(actions, 1), np.stack(rewards, 1).astype(np.float32)
+    if args.frames == "noise":
+        frames = rng.integers(0, 256, size=frames.shape, dtype=frames.dtype)
     num_actions = env.spec.num_actions
     replay = ReplayBuffer(cfg.replay, seed=0)
     for e in range(4):
@@ -70,7 +74,7 @@ def main() -> None:
                                root_values=np.zeros(100, np.float32), num_sampleable=100, terminal=False,
                                bootstrap_value=0.0))
     learner = Learner(cfg.model, cfg.learner, tuple(frames.shape[2:]), num_actions, seed=0)
-    label = (f"{args.device} {'compiled' if args.compile else 'eager'} {args.path} batch {args.batch} "
+    label = (f"{args.device} {'compiled' if args.compile else 'eager'} {args.path} batch {args.batch} {args.frames} "
              f"{' '.join(args.overrides)}")
     if args.path == "cache":
         from rayzero.learner.prefetch import ObsStore, Staging

@@ -44,7 +44,6 @@ def _obs_shape(env) -> tuple[int, int, int]:
 
 def _one(name: str, overrides: list[str], steps: int, lock_path: str, queue, quick: bool) -> None:
     import numpy as np
-    import torch
 
     from rayzero import config as config_mod
     from rayzero.learner.learner import Learner

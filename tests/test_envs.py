@@ -177,6 +177,28 @@ def test_pong_spec_and_random_steps(grayscale: bool, size: int, full: bool, shap
         assert res.obs[:, :-channels].any()  # the stack has filled up
 
 
+def test_atari_env_threads_do_not_change_what_is_played() -> None:
+    """env.num_threads only changes how many native threads step the envs: with one thread and with four, the
+    same seed and actions give the same observations and rewards; a negative count names what is valid."""
+    rng = np.random.default_rng(3)
+    actions = rng.integers(0, 6, size=(120, 4))
+    played = []
+    for threads in (1, 4):
+        with envs.make_vector_env(EnvConfig(id="ALE/Pong-v5", sticky_action_prob=0.0, num_threads=threads), 4,
+                                  seed=5, training=True) as env:
+            frames, rewards = [env.reset()], []
+            for a in actions:
+                res = env.step(a)
+                frames.append(res.obs)
+                rewards.append(res.reward)
+        played.append((np.stack(frames), np.stack(rewards)))
+    assert played[0][0][-1].any()
+    np.testing.assert_array_equal(played[0][0], played[1][0])
+    np.testing.assert_array_equal(played[0][1], played[1][1])
+    with pytest.raises(ValueError, match=r"num_threads.*>= 0"):
+        EnvConfig(id="ALE/Pong-v5", num_threads=-1)
+
+
 def test_atari_render_env_matches_vector_env_exactly() -> None:
     # Without no-ops and sticky actions both pipelines see the same frames; this pins the shape, dtype,
     # channel order (frames oldest first, R G B within a frame) and every preprocessing step.

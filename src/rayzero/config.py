@@ -62,6 +62,10 @@ class EnvConfig:
     """Clip training rewards to [-1, 1] (never for evaluation)."""
     max_episode_steps: int = 0
     """Truncate episodes after this many steps (0 = the env's own limit; Atari default 27000 = 108k frames)."""
+    num_threads: int = 0
+    """Atari: native threads stepping each vector env (0 = one per env, up to the CPUs the process may use).
+    A self-play actor has two vector envs (its halves), so on a host of many actors the default starts far more
+    threads than cores; a figure of what that costs belongs in docs/benchmarks.md."""
 
     def __post_init__(self) -> None:
         _check("env", self, [
@@ -73,6 +77,7 @@ class EnvConfig:
             ("noop_max", self.noop_max >= 0, ">= 0"),
             ("sticky_action_prob", 0.0 <= self.sticky_action_prob < 1.0, "in [0, 1)"),
             ("max_episode_steps", self.max_episode_steps >= 0, ">= 0"),
+            ("num_threads", self.num_threads >= 0, ">= 0 (0 = one per env, up to the CPUs)"),
         ])
 
     @property

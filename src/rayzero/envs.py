@@ -356,7 +356,7 @@ class _AtariBatchedEnv(BatchedEnv):
         self._env = AtariVectorEnv(
             game,
             num_envs,
-            num_threads=max(1, min(num_envs, _available_cpus())),
+            num_threads=cfg.num_threads or max(1, min(num_envs, _available_cpus())),
             max_num_frames_per_episode=max_steps * cfg.frame_skip,  # the native limit counts frames
             repeat_action_probability=cfg.sticky_action_prob,
             full_action_space=cfg.full_action_space,
