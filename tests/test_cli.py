@@ -81,6 +81,8 @@ def test_unknown_benchmark():
     (["selfplay", "--rows", "preset,nosuchrow"], ["nosuchrow", "envs16", "cpu"]),
     (["selfplay", "--rows", ","], ["preset", "sims200"]),
     (["tree", "--rows", "cpu"], ["--rows", "selfplay"]),
+    (["selfplay", "--quick", "env.num_threads=-1"], ["env.num_threads=-1", ">= 0"]),
+    (["tree", "env.num_envs=4"], ["env.num_envs=4", "selfplay"]),
 ])
 def test_bench_rows_are_checked_before_anything_runs(args, words):
     assert_usage_error(rayzero("bench", *args), *words)
@@ -90,7 +92,7 @@ def test_selfplay_benchmark_quick_writes_its_json(tmp_path):
     import json
 
     path = tmp_path / "selfplay.json"
-    result = rayzero("bench", "selfplay", "--quick", "--json", str(path))
+    result = rayzero("bench", "selfplay", "--quick", "--json", str(path), "env.num_envs=6")
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(path.read_text())
     assert document["benchmark"] == "selfplay" and document["versions"]["torch"]
@@ -101,7 +103,8 @@ def test_selfplay_benchmark_quick_writes_its_json(tmp_path):
     # The served path: self-play actors and the inference actor in Ray, against the env-only ceiling.
     (served,) = document["served"]
     assert served["env_steps_per_second"] > 0 and served["ceiling_env_steps_per_second"] > 0
-    assert served["inference_device"] == "cpu" and served["actors"] == 1 and served["envs_per_actor"] == 8
+    assert served["inference_device"] == "cpu" and served["actors"] == 1
+    assert served["envs_per_actor"] == 6 and served["overrides"][-1] == "env.num_envs=6"  # the override, last
     assert 0 < served["step_latency"]["p50_ms"] <= served["step_latency"]["p99_ms"]
     assert served["one_env_latency"]["steps"] >= 20 and served["batches"]["rows_per_batch"] > 0
 

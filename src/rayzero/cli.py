@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", default=None,
                        help="selfplay on a GPU host: comma-separated rows to run (preset, envs16, sims200, cpu; "
                             "default all)")
+    bench.add_argument("overrides", nargs="*",
+                       help="selfplay: section.field=value applied to every row (e.g. env.num_threads=2)")
     bench.add_argument("--kill-every", type=float, default=None,
                        help="faults: seconds between self-play actor kills (default 10)")
     bench.add_argument("--seeds", type=int, default=None,
@@ -142,6 +144,8 @@ def _config(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
+    from rayzero.config import ConfigError
+
     names = ("tree", "inference", "selfplay", "learner", "learning", "load", "faults")
     if args.name not in names:
         raise UsageError(f"unknown benchmark {args.name!r}: valid are {', '.join(names)}")
@@ -156,6 +160,8 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError(f"--seconds must be > 0, got {args.seconds}")
     if args.rows is not None and args.name != "selfplay":
         raise UsageError("--rows is only for `rayzero bench selfplay`")
+    if args.overrides and args.name != "selfplay":
+        raise UsageError(f"config overrides ({' '.join(args.overrides)}) are only for `rayzero bench selfplay`")
     if args.kill_every is not None or args.seeds is not None:
         if args.name != "faults":
             raise UsageError("--kill-every and --seeds are only for `rayzero bench faults`")
@@ -176,7 +182,11 @@ def _bench(args: argparse.Namespace) -> int:
             module.check_rows(rows)  # before Ray starts
         except ValueError as error:
             raise UsageError(str(error)) from None
-        module.main(quick=args.quick, json_path=args.json, seconds=args.seconds, only=rows)
+        try:  # a bad override fails before Ray starts, naming what is valid
+            module.main(quick=args.quick, json_path=args.json, seconds=args.seconds, only=rows,
+                        overrides=list(args.overrides))
+        except ConfigError as error:
+            raise UsageError(str(error)) from None
     else:
         module.main(quick=args.quick, json_path=args.json)
     return 0

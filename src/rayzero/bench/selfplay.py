@@ -14,7 +14,8 @@ them (a device call may not have time for all four).
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
 
-    rayzero bench selfplay [--quick] [--seconds S] [--rows R,..] [--json PATH]   # --quick: cartpole, CPU, a few seconds per phase
+    rayzero bench selfplay [--quick] [--seconds S] [--rows R,..] [--json PATH] [section.field=value ...]
+    # --quick: cartpole, CPU, a few seconds per phase; overrides apply to every served row
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def check_rows(only: list[str] | None) -> list[str] | None:
 
 
 def main(quick: bool = False, json_path: str | None = None, seconds: float | None = None,
-         only: list[str] | None = None) -> dict[str, Any]:
+         only: list[str] | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     import ray
 
     import torch as _torch
@@ -251,6 +252,9 @@ def main(quick: bool = False, json_path: str | None = None, seconds: float | Non
         variants = [("atari", GPU_ROWS[r]) for r in (only or GPU_ROWS)]
     else:
         variants = [("cartpole", ["inference.mode=central"])]
+    variants = [(preset, [*row, *(overrides or [])]) for preset, row in variants]
+    for preset, row in variants:
+        config_lib.load(preset, row)  # a bad override fails here, before Ray starts
     if seconds is None:
         seconds = 3.0 if quick else 30.0
     cluster.connect(ClusterConfig())
