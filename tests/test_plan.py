@@ -9,6 +9,19 @@ from rayzero import config as config_lib
 from rayzero.config import ConfigError
 
 
+
+def host_atari(overrides: list[str] = ()):
+    """The `atari` preset with self-play sized from the host (the preset itself pins one actor)."""
+    return config_lib.load("atari", ["cluster.num_selfplay_actors=0", *overrides])
+
+
+def test_the_atari_preset_pins_one_self_play_actor_of_64_envs_beside_the_shared_gpu():
+    """At its replay ratio the preset's learner is the bound: one actor (two halves of 32 envs) feeds it, and
+    further actors would only take GPU time from it (Pong run 12, docs/benchmarks.md)."""
+    plan = cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 1.0})
+    assert plan.selfplay.count == 1 and plan.selfplay.envs == 64
+    assert plan.learner.gpus == 0.5 and plan.inference is not None and plan.inference.gpus == 0.5
+
 def test_a_two_cpu_laptop_gets_every_role_on_the_cpu():
     cfg = config_lib.load("cartpole")
     plan = cluster.plan(cfg, {"CPU": 2.0})
@@ -24,22 +37,22 @@ def test_a_two_cpu_laptop_gets_every_role_on_the_cpu():
 def test_one_gpu_16_cpu_host_shares_the_gpu_and_fills_the_cores_with_self_play():
     """The learner and a central inference actor share the only GPU; self-play gets the cores that the learner,
     the inference actor, the driver and replay leave: 16 - 1 - 1 - 2 = 12."""
-    plan = cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 1.0})
+    plan = cluster.plan(host_atari(), {"CPU": 16.0, "GPU": 1.0})
     assert plan.learner.gpus == 0.5 and plan.learner.device == "cuda"
     assert plan.inference is not None and plan.inference.gpus == 0.5 and plan.inference.device == "cuda"
     assert plan.whole_search and plan.selfplay.count == 12
 
 
 def test_pinned_values_win_over_the_host_rules():
-    cfg = config_lib.load("atari", ["cluster.learner_gpus=1", "cluster.num_selfplay_actors=3"])
+    cfg = host_atari(["cluster.learner_gpus=1", "cluster.num_selfplay_actors=3"])
     plan = cluster.plan(cfg, {"CPU": 16.0, "GPU": 1.0})
     assert plan.learner.gpus == 1.0 and plan.inference is None and plan.selfplay.count == 3
-    local = cluster.plan(config_lib.load("atari", ["inference.mode=local"]), {"CPU": 16.0, "GPU": 1.0})
+    local = cluster.plan(host_atari(["inference.mode=local"]), {"CPU": 16.0, "GPU": 1.0})
     assert local.inference is None and local.learner.gpus == 1.0 and local.selfplay.count == 13
 
 
 def test_a_second_gpu_goes_to_a_central_inference_actor_with_whole_searches():
-    plan = cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 2.0})
+    plan = cluster.plan(host_atari(), {"CPU": 16.0, "GPU": 2.0})
     assert plan.inference is not None and plan.inference.device == "cuda" and plan.inference.gpus == 1.0
     assert plan.learner.gpus == 1.0 and plan.selfplay.count == 12
     assert plan.inference.actor_options() == {"num_cpus": 1.0, "num_gpus": 1.0, "max_concurrency": 1000}
@@ -56,7 +69,7 @@ def test_a_plan_that_cannot_start_one_self_play_actor_says_how_many_cpus_it_lack
     Ray leaves self-play pending, so the run would play nothing. The driver warns with this shortfall."""
     assert cluster.plan(config_lib.load("cartpole", ["inference.mode=central"]), {"CPU": 2.0}).cpu_shortfall(2.0) == 1.0
     assert cluster.plan(config_lib.load("cartpole"), {"CPU": 2.0}).cpu_shortfall(2.0) == 0.0
-    assert cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 1.0}).cpu_shortfall(16.0) == 0.0
+    assert cluster.plan(host_atari(), {"CPU": 16.0, "GPU": 1.0}).cpu_shortfall(16.0) == 0.0
     fits = cluster.plan(config_lib.load("cartpole", ["inference.mode=central", "cluster.selfplay_cpus=0"]),
                         {"CPU": 2.0})
     assert fits.cpu_shortfall(2.0) == 0.0
@@ -81,23 +94,23 @@ def test_too_few_gpus_for_the_learners_is_a_config_error():
 
 
 def test_the_plan_prints_as_a_table_and_saves_as_json():
-    plan = cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 2.0})
+    plan = cluster.plan(host_atari(), {"CPU": 16.0, "GPU": 2.0})
     lines = plan.table().splitlines()
     assert lines[0].split() == ["role", "count", "CPUs", "GPUs", "device", "envs"]
     assert [line.split()[0] for line in lines[1:]] == ["replay", "learner", "selfplay", "evaluation", "inference"]
     document = json.loads(json.dumps(plan.as_dict()))
-    assert document["inference"]["device"] == "cuda" and document["selfplay"]["envs"] == 16
+    assert document["inference"]["device"] == "cuda" and document["selfplay"]["envs"] == 64
 
 
 def test_search_device_cpu_keeps_the_searches_on_the_self_play_actors():
-    plan = cluster.plan(config_lib.load("atari", ["search.device=cpu"]), {"CPU": 16.0, "GPU": 1.0})
+    plan = cluster.plan(host_atari(["search.device=cpu"]), {"CPU": 16.0, "GPU": 1.0})
     assert plan.inference is not None and plan.inference.device == "cuda" and not plan.whole_search
 
 
 def test_actors_run_at_most_as_many_torch_threads_as_the_cpus_they_reserve():
     """12 self-play actors of 1 CPU on a 16-core host: cluster.torch_threads=8 would give each 8 threads (96 on 16
     cores); each gets 1. A role of 4 CPUs gets the 3 asked for, or 4 of 6; a role of no or half a CPU gets 1."""
-    cfg = config_lib.load("atari", ["cluster.torch_threads=8"])
+    cfg = host_atari(["cluster.torch_threads=8"])
     plan = cluster.plan(cfg, {"CPU": 16.0, "GPU": 1.0})
     assert plan.selfplay.count == 12 and plan.selfplay.cpus == 1.0
     assert plan.selfplay.torch_threads(cfg.cluster.torch_threads) == 1
