@@ -148,6 +148,7 @@ class Driver:
         self.last_metrics: dict[str, float] = {}
         self.stop_reason = ""
         self.interrupt_requested = False  # set by Ctrl-C or SIGTERM
+        self.stop_requested = ""  # a reason set by request_stop (from another thread)
         self.schedule: Schedule | None = None
         self.pending: dict[Any, Call] = {}  # ref -> the call it answers: what is in flight
         self.actors: dict[int, Any] = {}  # live self-play actors by index
@@ -259,6 +260,13 @@ class Driver:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def request_stop(self, reason: str) -> None:
+        """End the run at the loop's next turn as its time limit would (in-flight work finishes, then the final
+        evaluation, checkpoint and summary, whose `stop_reason` is `reason`); safe from another thread."""
+        if not reason:
+            raise ValueError("request_stop needs a reason (the summary's stop_reason), got ''")
+        self.stop_requested = reason
+
     def _on_signal(self, *_: Any) -> None:
         """Ctrl-C or SIGTERM (`ray job stop`, Kubernetes): the loop stops at its next turn (within a second or
         so), lets in-flight work finish and writes a checkpoint; a flag rather than an exception, so no library
@@ -278,7 +286,7 @@ class Driver:
         self.next_index = len(self.actors)
         self._publish(handles, wait=True)
         while True:
-            self.stop_reason = self.stop_reason or schedule.stop_reason(
+            self.stop_reason = self.stop_reason or self.stop_requested or schedule.stop_reason(
                 self.counters, time.perf_counter(), self.interrupt_requested)
             if self.stop_reason:
                 break

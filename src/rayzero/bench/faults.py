@@ -28,6 +28,8 @@ import numpy as np
 from rayzero.bench.common import write_json
 
 SELFPLAY, INFERENCE, SHARD, NODE = "selfplay_actor", "inference_actor", "replay_shard", "node"
+FAULTS_DONE = "faults_done"
+"""The stop reason of a run the injector ended once every fault was in and the run had gone on after them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +56,22 @@ class FaultInjector:
     only there; the driver runs in another). `injected` records each fault: kind, time, target, and for a
     replay shard what it had stored before the kill and at its last snapshot."""
 
-    def __init__(self, driver: Any, schedule: FaultSchedule, cluster: Any, seed: int = 0):
+    def __init__(self, driver: Any, schedule: FaultSchedule, cluster: Any, seed: int = 0,
+                 end_after_faults: bool = False, min_selfplay_kills: int = 0):
         """`cluster`: the `ray.cluster_utils.Cluster`; its worker node joins once the driver's loop runs (so
         every fixed role is on the head), and is removed on schedule."""
         self.driver, self.schedule, self.cluster = driver, schedule, cluster
+        self.end_after_faults, self.min_selfplay_kills = end_after_faults, min_selfplay_kills
         self.random = random.Random(seed)
         self.injected: list[dict[str, Any]] = []
         self.worker: Any = None
 
     def run_while(self, running: threading.Thread) -> None:
-        """Inject faults until `running` (the driver's thread) ends."""
+        """Inject faults until `running` (the driver's thread) ends. A fault waits, past its time, until the run
+        has gone on since the one before (env steps grew; for the shard, a checkpoint exists), so a slow host
+        gets the same faults, later, rather than faults that starve the run of the progress the next one needs.
+        With `end_after_faults`, the injector ends the run (stop reason FAULTS_DONE) once every single fault is
+        in, at least `min_selfplay_kills` self-play kills too, and both env and learner steps grew after them."""
         while self.driver.schedule is None and running.is_alive():  # the loop has not started yet
             time.sleep(0.2)
         if not running.is_alive():
@@ -72,24 +80,40 @@ class FaultInjector:
         start, s = time.monotonic(), self.schedule
         next_selfplay = s.selfplay_every
         done: set[str] = set()
+        singles = {kind for kind, at in ((INFERENCE, s.inference_at), (SHARD, s.shard_at), (NODE, s.node_at))
+                   if at is not None}
+        mark = self._progress()  # env and learner steps at the last fault
         while running.is_alive():
             running.join(timeout=0.2)
             now = time.monotonic() - start
-            if self.driver.stop_reason:  # the run is ending: no more faults
+            if self.driver.stop_reason or self.driver.stop_requested:  # the run is ending: no more faults
                 continue
-            if next_selfplay is not None and now >= next_selfplay:
-                next_selfplay += s.selfplay_every
+            progress = self._progress()
+            moved = progress[0] > mark[0]
+            before = len(self.injected)
+            if next_selfplay is not None and now >= next_selfplay and moved:
+                next_selfplay = now + s.selfplay_every
                 self._kill_selfplay(now)
-            if s.inference_at is not None and now >= s.inference_at and INFERENCE not in done:
+            elif s.inference_at is not None and now >= s.inference_at and INFERENCE not in done and moved:
                 done.add(INFERENCE)
                 self._kill_inference(now)
-            if s.shard_at is not None and now >= s.shard_at and SHARD not in done and self._has_checkpoint():
+            elif (s.shard_at is not None and now >= s.shard_at and SHARD not in done and moved
+                  and self._has_checkpoint()):
                 done.add(SHARD)
                 self._kill_shard(now)
-            if s.node_at is not None and now >= s.node_at and NODE not in done:
+            elif s.node_at is not None and now >= s.node_at and NODE not in done and moved:
                 done.add(NODE)
                 self.cluster.remove_node(self.worker)
                 self._record(NODE, now)
+            if len(self.injected) > before:
+                mark = progress
+            elif (self.end_after_faults and done == singles and progress[0] > mark[0] and progress[1] > mark[1]
+                  and sum(f["kind"] == SELFPLAY for f in self.injected) >= self.min_selfplay_kills):
+                self.driver.request_stop(FAULTS_DONE)
+
+    def _progress(self) -> tuple[int, int]:
+        counters = self.driver.counters
+        return counters.env_steps, counters.learner_steps
 
     def _kill_selfplay(self, now: float) -> None:
         import ray
@@ -147,10 +171,11 @@ def overrides(time_limit: float, quick: bool) -> list[str]:
 
 
 def run(schedule: FaultSchedule, out: Path, time_limit: float, quick: bool = False, seed: int = 0,
-        head_cpus: int = 3) -> dict[str, Any]:
+        head_cpus: int = 3, end_after_faults: bool = False, min_selfplay_kills: int = 0) -> dict[str, Any]:
     """One training run on a new head + worker cluster, with the faults of `schedule` injected. Returns the
     summary, the metrics rows, the faults injected and the weights version of the inference actor at the end;
-    an error of the driver is raised."""
+    an error of the driver is raised. With `end_after_faults` the run ends once its faults are in and it has
+    gone on after them (`time_limit` is then a cap), so its length follows the host's speed."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -173,7 +198,8 @@ def run(schedule: FaultSchedule, out: Path, time_limit: float, quick: bool = Fal
 
         thread = threading.Thread(target=train, name="driver")
         thread.start()
-        injector = FaultInjector(driver, schedule, cluster, seed=seed)
+        injector = FaultInjector(driver, schedule, cluster, seed=seed, end_after_faults=end_after_faults,
+                                 min_selfplay_kills=min_selfplay_kills)
         try:
             injector.run_while(thread)
         finally:
@@ -192,13 +218,13 @@ def run(schedule: FaultSchedule, out: Path, time_limit: float, quick: bool = Fal
 
 def survived(result: dict[str, Any]) -> dict[str, dict[str, int]]:
     """Per kind of fault: how many were injected, and how many the run recovered from. A run that did not
-    reach its time limit survived none. Otherwise a kill is survived when the summary shows its replacement or
+    reach its time limit (or, ended by the injector, the end of its faults) survived none. Otherwise a kill is survived when the summary shows its replacement or
     restart; a node removal when the run went on (what it cost, a self-play or an inference actor that was on
     the node, is replaced beyond the direct kills)."""
     summary, injected = result["summary"], result["injected"]
     faults = summary["faults"]
     count = {kind: sum(f["kind"] == kind for f in injected) for kind in (SELFPLAY, INFERENCE, SHARD, NODE)}
-    completed = summary["stop_reason"] == "time_limit"
+    completed = summary["stop_reason"] in ("time_limit", FAULTS_DONE)
     recovered = {
         SELFPLAY: min(count[SELFPLAY], faults["selfplay_actors_replaced"]),
         INFERENCE: min(count[INFERENCE], faults["inference_actors_replaced"]),
