@@ -520,6 +520,33 @@ def test_a_target_network_that_fails_to_compile_bootstraps_eagerly_with_the_same
     assert got == expected
 
 
+def test_side_steps_stay_eager_when_asked_while_the_step_compiles(monkeypatch):
+    compiled = []
+
+    def recording_compile(fn, **kwargs):  # records what the learner compiles; runs it as it is
+        compiled.append(getattr(fn, "__name__", type(fn).__name__))
+        return fn
+
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    base = dict(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cpu", target_update_interval=2,
+                consistency_weight=1.0, consistency_dim=16)
+    replay = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=2, td_steps=2, min_size=0, bootstrap_obs=True,
+                                       next_obs=True), seed=0)
+    for s in image_segments():
+        replay.add(s)
+    batches = [replay.sample(8) for _ in range(3)]
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    expected = [reference.step(b)[0]["loss"] for b in batches]
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    learner = Learner(model, LearnerConfig(**base, compile=True, compile_side_steps=False), (3, 16, 16), 3, seed=0)
+    assert compiled == ["MuZeroLoss"]  # the step only: the bootstraps and the consistency targets stay eager
+    assert learner._bootstrap.compiled is None and learner._consistency_targets.compiled is None
+    assert [learner.step(b)[0]["loss"] for b in batches] == expected
+    compiled.clear()
+    Learner(model, LearnerConfig(**base, compile=True), (3, 16, 16), 3, seed=0)
+    assert sorted(compiled) == sorted(["MuZeroLoss", "bootstrap_values", "consistency_targets"])
+
+
 def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):
     working = {"default"}
 

@@ -274,6 +274,10 @@ class LearnerConfig:
     """torch.compile mode. 'reduce-overhead' replays the step as CUDA graphs: without them the compiled step is
     bound by Python launching its kernels (docs/benchmarks.md). Also 'default', 'max-autotune',
     'max-autotune-no-cudagraphs'. A mode that fails falls back to 'default', then to eager."""
+    compile_side_steps: bool = True
+    """Compile the no-grad computations the step's inputs need (the target network's bootstraps, the
+    consistency targets) when the step is compiled; false runs them eagerly: a shorter first step (the
+    compile delays every run's first update) at some cost per step."""
     channels_last: bool = False
     """Keep the conv net and image batches in NHWC memory format (off: slower than NCHW with torch.compile,
     docs/benchmarks.md). Ignored for vector observations."""

@@ -184,9 +184,10 @@ class Learner:
         if cfg.target_update_interval:
             self.target = copy.deepcopy(self.model).eval().requires_grad_(False)
         # Its forward over [B, K+1] observations costs more GPU time than the step's own: compiled too.
-        self._bootstrap = _SideStep(bootstrap_values, "the target network", use_compile and self.target is not None)
+        side_compile = use_compile and cfg.compile_side_steps
+        self._bootstrap = _SideStep(bootstrap_values, "the target network", side_compile and self.target is not None)
         self._consistency_targets = _SideStep(self.loss_module.consistency_targets, "the consistency targets",
-                                              use_compile and self.consistency is not None
+                                              side_compile and self.consistency is not None
                                               and cfg.consistency_targets == "separate")
         if (self.consistency is not None and cfg.consistency_targets == "step" and use_compile
                 and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"):

@@ -1,0 +1,134 @@
+"""How long the `atari` preset's learner takes to its first compiled update, cold and with a warm compile cache,
+and with its side steps (target network, consistency targets) left eager.
+
+The Pong bar runs lose 109-149 s of their 540 s before the first update, nearly all of it the learner's first
+call, which compiles (docs/benchmarks.md, runs 12-13). This script answers which part of that a run could save.
+Each variant runs in a fresh process, one after another (compiling is CPU work; parallel compiles would inflate
+each other), on the replay of random Atari-sized segments that scripts/learner_cost.py uses. A variant names its
+inductor cache directory: 'warm' reuses the one 'cold' filled, as a second run on the same machine would. Per
+variant: seconds to build the learner, seconds of the first three updates (compile and CUDA-graph recording),
+steady ms per update, and torch._dynamo's table of compile phases (in the log).
+
+    python3 scripts/compile_cost.py [--variants cold,warm,side_eager,eager] [--json PATH] [--log-dir DIR] [overrides]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from learner_cost import QUICK, _obs_shape  # noqa: E402  (the same replay and sizes as learner_cost.py)
+
+# name: (overrides, cache group)
+VARIANTS = {
+    "cold": ([], "preset"),
+    "warm": ([], "preset"),
+    "side_eager": (["learner.compile_side_steps=false"], "side_eager"),
+    "side_eager_warm": (["learner.compile_side_steps=false"], "side_eager"),
+    "eager": (["learner.compile=false"], "eager"),
+    "batch_512": (["learner.batch_size=512"], "batch_512"),
+}
+
+
+def _one(name: str, overrides: list[str], cache_dir: str, steps: int, quick: bool, log_path: str, queue) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # before torch is imported
+    try:
+        import numpy as np
+        import torch
+        import torch._inductor.config as inductor_config
+
+        from rayzero import config as config_mod
+        from rayzero.learner.learner import Learner
+        from rayzero.replay.buffer import ReplayBuffer, Segment
+
+        cfg = config_mod.load("atari", [*overrides, *(QUICK if quick else []), "replay.frame_stack=0",
+                                        "replay.shared_obs=false", "replay.capacity=4000", "replay.min_size=100"])
+        obs_shape, actions = _obs_shape(cfg.env), 6
+        replay = ReplayBuffer(cfg.replay, seed=0)
+        rng = np.random.default_rng(0)
+        for _ in range(cfg.replay.capacity // 200):
+            replay.add(Segment(
+                obs=rng.integers(0, 256, size=(200, *obs_shape), dtype=np.uint8),
+                actions=rng.integers(0, actions, size=200),
+                rewards=rng.choice([-1.0, 0.0, 0.0, 0.0, 1.0], size=200).astype(np.float32),
+                policies=rng.dirichlet(np.ones(actions), size=200).astype(np.float32),
+                root_values=rng.normal(size=200).astype(np.float32),
+                num_sampleable=190, terminal=False, bootstrap_value=0.0,
+            ))
+        batch = replay.sample(cfg.learner.batch_size)
+        t0 = time.perf_counter()
+        learner = Learner(cfg.model, cfg.learner, obs_shape, actions, seed=0)
+        build_s = time.perf_counter() - t0
+        firsts = []
+        for _ in range(3):  # compile, then CUDA-graph warm-up and recording
+            t = time.perf_counter()
+            learner.bench_steps(batch, 1, warmup=0)
+            firsts.append(time.perf_counter() - t)
+        timed = learner.bench_steps(batch, steps, warmup=5)
+        with open(log_path, "a") as log:
+            log.write(f"== {name} {overrides} cache {cache_dir}\n")
+            try:
+                log.write(str(torch._dynamo.utils.compile_times(repr="str")) + "\n")
+            except Exception as error:  # noqa: BLE001 - the table is a diagnostic
+                log.write(f"(no compile_times: {error})\n")
+        queue.put({"variant": name, "overrides": overrides, "cache": os.path.basename(cache_dir),
+                   "batch": cfg.learner.batch_size, "build_s": round(build_s, 1),
+                   "first_steps_s": [round(x, 1) for x in firsts], "to_first_fast_s": round(build_s + sum(firsts), 1),
+                   "ms_per_step": round(timed["ms_per_step"], 2), "compile": timed["compile"],
+                   "compile_threads": inductor_config.compile_threads})
+    except Exception as error:  # noqa: BLE001 - a row that failed says why; the others still run
+        queue.put({"variant": name, "overrides": overrides, "error": f"{type(error).__name__}: {error}"[:300]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default="cold,warm,side_eager,eager")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--quick", action="store_true", help="smoke size for a CPU")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every variant (learner.compile=true "
+                        "compiles on a CPU too)")
+    args = parser.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+    root = tempfile.mkdtemp(prefix="compile_cost.")
+    log_dir = args.log_dir or root
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, "compile_times.txt")
+    ctx = mp.get_context("spawn")
+    rows = []
+    for name in names:
+        overrides, group = VARIANTS[name]
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_one, args=(name, [*args.overrides, *overrides], os.path.join(root, group),
+                                              args.steps, args.quick, log_path, queue))
+        proc.start()
+        rows.append(queue.get())
+        proc.join()
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'variant':<16} {'batch':>5} {'build s':>7} {'first 3 steps s':>18} {'to fast s':>9} {'ms/step':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<16} error: {r['error']}")
+            continue
+        firsts = "/".join(str(x) for x in r["first_steps_s"])
+        print(f"{r['variant']:<16} {r['batch']:>5} {r['build_s']:>7} {firsts:>18} {r['to_first_fast_s']:>9} "
+              f"{r['ms_per_step']:>8}")
+    if args.json:
+        import torch
+
+        from rayzero.bench.common import write_json
+        write_json(args.json, "compile_cost", {"rows": rows, "steps": args.steps, "cuda": torch.cuda.is_available()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
