@@ -24,10 +24,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learner_cost import QUICK, _obs_shape  # noqa: E402  (the same replay and sizes as learner_cost.py)
 
-# name: (overrides, cache group)
+# name: (overrides, cache group[, learner seed]); 'warm_other_weights' asks whether the cache still hits for other
+# weights (a learner that trained eagerly while another process filled the cache)
 VARIANTS = {
     "cold": ([], "preset"),
     "warm": ([], "preset"),
+    "warm_other_weights": ([], "preset", 1),
     "side_eager": (["learner.compile_side_steps=false"], "side_eager"),
     "side_eager_warm": (["learner.compile_side_steps=false"], "side_eager"),
     "eager": (["learner.compile=false"], "eager"),
@@ -35,7 +37,8 @@ VARIANTS = {
 }
 
 
-def _one(name: str, overrides: list[str], cache_dir: str, steps: int, quick: bool, log_path: str, queue) -> None:
+def _one(name: str, overrides: list[str], cache_dir: str, steps: int, quick: bool, log_path: str, queue,
+         seed: int = 0) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # before torch is imported
     try:
         import numpy as np
@@ -62,7 +65,7 @@ def _one(name: str, overrides: list[str], cache_dir: str, steps: int, quick: boo
             ))
         batch = replay.sample(cfg.learner.batch_size)
         t0 = time.perf_counter()
-        learner = Learner(cfg.model, cfg.learner, obs_shape, actions, seed=0)
+        learner = Learner(cfg.model, cfg.learner, obs_shape, actions, seed=seed)
         build_s = time.perf_counter() - t0
         firsts = []
         for _ in range(3):  # compile, then CUDA-graph warm-up and recording
@@ -106,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     rows = []
     for name in names:
-        overrides, group = VARIANTS[name]
+        overrides, group, *seed = VARIANTS[name]
         queue = ctx.Queue()
         proc = ctx.Process(target=_one, args=(name, [*args.overrides, *overrides], os.path.join(root, group),
-                                              args.steps, args.quick, log_path, queue))
+                                              args.steps, args.quick, log_path, queue, *seed))
         proc.start()
         rows.append(queue.get())
         proc.join()

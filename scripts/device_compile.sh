@@ -9,7 +9,7 @@
 set -u
 out=${OUT:-/tmp/device_compile}
 mkdir -p "$out"
-timeout 300 python3 scripts/compile_cost.py --variants cold,warm,side_eager,eager --log-dir "$out" \
+timeout 300 python3 scripts/compile_cost.py --variants cold,warm_other_weights,side_eager,eager --log-dir "$out" \
     --json "$out/compile_cost.json" > "$out/compile_cost.txt" 2>&1
 grep -A8 "^variant" "$out/compile_cost.txt" || tail -5 "$out/compile_cost.txt"
 probe() {  # NAME TIMEOUT ARGS...

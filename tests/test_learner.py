@@ -1,6 +1,7 @@
 """Learner: the loss learns a fixed batch, checkpoints restore exactly, corrupt files fail clearly."""
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -545,6 +546,64 @@ def test_side_steps_stay_eager_when_asked_while_the_step_compiles(monkeypatch):
     compiled.clear()
     Learner(model, LearnerConfig(**base, compile=True), (3, 16, 16), 3, seed=0)
     assert sorted(compiled) == sorted(["MuZeroLoss", "bootstrap_values", "consistency_targets"])
+
+
+def _background_learner(overrides=None):
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    base = dict(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cpu", target_update_interval=2,
+                consistency_weight=1.0, consistency_dim=16)
+    replay = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=2, td_steps=2, min_size=0, bootstrap_obs=True,
+                                       next_obs=True), seed=0)
+    for s in image_segments():
+        replay.add(s)
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    # aot_eager traces the step (graphs and autograd, as inductor gets them) without generating kernels: it
+    # compiles in seconds and computes what eager does, so the updates must equal eager's exactly.
+    cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True,
+                        **(overrides or {}))
+    return reference, Learner(model, cfg, (3, 16, 16), 3, seed=0), replay
+
+
+def _train_until_compiled(reference, learner, replay, timeout_s=240.0):
+    states, deadline = [], time.monotonic() + timeout_s
+    while not (learner.compile_state.startswith("on") and len(states) >= 2) and time.monotonic() < deadline:
+        batch = replay.sample(8)
+        assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
+        states.append(learner.compile_state)
+        if learner.compile_state == "background":
+            time.sleep(0.2)  # the helper compiles meanwhile
+    return states
+
+
+def test_background_compile_trains_eagerly_then_switches_to_the_compiled_step_with_the_same_updates():
+    reference, learner, replay = _background_learner()
+    assert learner.compile_state == "background" and learner._switch.compiled is None
+    states = _train_until_compiled(reference, learner, replay)
+    assert states[0] == "background" and states[-1] == "on:reduce-overhead", states
+    assert learner.background_compile_s is not None and learner._background_helper.returncode == 0
+    assert learner._bootstrap.compiled is not None and learner._consistency_targets.compiled is not None
+    # The weights the two learners reached are the same.
+    for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_background_compile_leaves_the_learner_compiling_in_its_own_process(monkeypatch, caplog):
+    import subprocess
+    import sys
+
+    from rayzero.learner import background
+
+    monkeypatch.setattr(background, "start", lambda *a, **k: subprocess.Popen([sys.executable, "-c", "exit(7)"]))
+    reference, learner, replay = _background_learner()
+    with caplog.at_level("WARNING"):
+        states = _train_until_compiled(reference, learner, replay)
+    assert states[-1] == "on:reduce-overhead", states
+    assert "failed to compile the step (exit code 7)" in caplog.text
+
+
+def test_unknown_compile_backend_is_refused_with_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"compile_backend.*'tvm'.*inductor.*aot_eager"):
+        LearnerConfig(compile_backend="tvm")
 
 
 def test_compile_failures_fall_back_to_the_plain_mode_then_eager(monkeypatch):

@@ -221,6 +221,7 @@ class ReanalyseConfig:
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +275,14 @@ class LearnerConfig:
     """torch.compile mode. 'reduce-overhead' replays the step as CUDA graphs: without them the compiled step is
     bound by Python launching its kernels (docs/benchmarks.md). Also 'default', 'max-autotune',
     'max-autotune-no-cudagraphs'. A mode that fails falls back to 'default', then to eager."""
+    compile_backend: str = "inductor"
+    """torch.compile backend: 'inductor' (kernels generated for the step); 'aot_eager' traces the step (graphs,
+    autograd) without generating kernels, which compiles in seconds: for debugging a compile failure, and tests."""
+    background_compile: bool = False
+    """Fill the compile cache in a helper process, from the first batch, while the first updates run eagerly;
+    once it is done the learner compiles from the warm cache (seconds, not the minutes of a cold compile) and
+    goes on compiled. A single learner only (DDP ranks compile in step, as without it). If the helper fails the
+    learner compiles in its own process, as without it."""
     compile_side_steps: bool = True
     """Compile the no-grad computations the step's inputs need (the target network's bootstraps, the
     consistency targets) when the step is compiled; false runs them eagerly: a shorter first step (the
@@ -339,6 +348,7 @@ class LearnerConfig:
             ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
             ("checkpoint_interval", self.checkpoint_interval >= 1, ">= 1"),
             ("compile_mode", self.compile_mode in COMPILE_MODES, f"one of {COMPILE_MODES}"),
+            ("compile_backend", self.compile_backend in COMPILE_BACKENDS, f"one of {COMPILE_BACKENDS}"),
             ("prefetch", self.prefetch >= 0, ">= 0"),
             ("gather_threads", self.gather_threads >= 1, ">= 1"),
             ("target_update_interval", self.target_update_interval >= 0, ">= 0"),

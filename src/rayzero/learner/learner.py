@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from rayzero.config import LearnerConfig, ModelConfig
 from rayzero.devices import resolve_device
+from rayzero.learner import background
 from rayzero.learner.checkpoint import CheckpointError
 from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
@@ -106,9 +107,16 @@ class _SideStep:
     compiled when the step is, without CUDA graphs; after a compiler failure (logged once) it runs eagerly, and
     an out-of-memory error or a bug still raises."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], what: str, use_compile: bool):
-        self.fn, self.what = fn, what
-        self.compiled = torch.compile(fn, dynamic=False) if use_compile else None
+    def __init__(self, fn: Callable[..., torch.Tensor], what: str, use_compile: bool, backend: str = "inductor",
+                 later: bool = False):
+        """later: stay eager until `start_compiling` (the learner's background compile)."""
+        self.fn, self.what, self.backend, self.wanted = fn, what, backend, use_compile
+        self.compiled = None
+        if use_compile and not later:
+            self.start_compiling()
+
+    def start_compiling(self) -> None:
+        self.compiled = torch.compile(self.fn, dynamic=False, backend=self.backend)
 
     def __call__(self, *args: Any) -> torch.Tensor:
         if self.compiled is not None:
@@ -139,6 +147,7 @@ class Learner:
             torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.cfg = cfg
+        self._build_args = (model_cfg, tuple(obs_shape), num_actions)  # for the background compile's helper
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # batch shapes are fixed: let cuDNN time its conv algorithms
@@ -165,8 +174,16 @@ class Learner:
         self._modes = ([cfg.compile_mode] + fallback) if use_compile else []
         self._graphs = False
         self._watch_steps = 0
-        self.compile_state = "off"  # "pending:<mode>", then "on:<mode>", or "failed"
-        self._next_compile_mode()
+        self.compile_state = "off"  # "pending:<mode>", then "on:<mode>", or "failed"; "background" before those
+        # With learner.background_compile: eager until the helper process has filled the compile cache.
+        self._background = use_compile and cfg.background_compile and not distributed
+        self._background_helper: Any = None  # the helper process, once the first batch has started it
+        self._background_started = 0.0
+        self.background_compile_s: float | None = None  # how long the helper took (None: none ran, or not yet)
+        if self._background:
+            self.compile_state = "background"
+        else:
+            self._next_compile_mode()
         self.world_size, self.rank = 1, 0
         self._forward: torch.nn.Module = self._switch
         if distributed:
@@ -185,10 +202,13 @@ class Learner:
             self.target = copy.deepcopy(self.model).eval().requires_grad_(False)
         # Its forward over [B, K+1] observations costs more GPU time than the step's own: compiled too.
         side_compile = use_compile and cfg.compile_side_steps
-        self._bootstrap = _SideStep(bootstrap_values, "the target network", side_compile and self.target is not None)
+        side = {"backend": cfg.compile_backend, "later": self._background}
+        self._bootstrap = _SideStep(bootstrap_values, "the target network", side_compile and self.target is not None,
+                                    **side)
         self._consistency_targets = _SideStep(self.loss_module.consistency_targets, "the consistency targets",
                                               side_compile and self.consistency is not None
-                                              and cfg.consistency_targets == "separate")
+                                              and cfg.consistency_targets == "separate", **side)
+        self._side_compile = side_compile
         if (self.consistency is not None and cfg.consistency_targets == "step" and use_compile
                 and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"):
             log.warning("learner.consistency_targets=step with CUDA graphs: the consistency loss did not train this "
@@ -247,12 +267,51 @@ class Learner:
                 self.compile_state = "failed"
             return
         mode = self._modes.pop(0)
-        self._switch.use(torch.compile(self.loss_module, dynamic=False, mode=mode))
+        if self.cfg.compile_backend == "inductor":
+            self._switch.use(torch.compile(self.loss_module, dynamic=False, mode=mode))
+        else:  # modes are inductor's
+            self._switch.use(torch.compile(self.loss_module, dynamic=False, backend=self.cfg.compile_backend))
         # CUDA graphs (reduce-overhead) reuse their output memory at the next replay: outputs are consumed within
         # the step, and each step is marked, so a replay never overwrites what is still needed.
-        self._graphs = mode == "reduce-overhead" and self.device.type == "cuda"
+        self._graphs = (mode == "reduce-overhead" and self.device.type == "cuda"
+                        and self.cfg.compile_backend == "inductor")
         self._watch_steps = 3  # compilation, then CUDA-graph warm-up and recording, happen in the first steps
         self.compile_state = f"pending:{mode}"
+
+    # -- background compile ----------------------------------------------------------------------------
+
+    def _background_turn(self, tensors: dict[str, torch.Tensor], stale: int) -> None:
+        """Start the helper on the first batch; once it has ended, compile here (from the cache it filled)."""
+        if self._background_helper is None:
+            model_cfg, obs_shape, num_actions = self._build_args
+            self._background_helper = background.start(model_cfg, self.cfg, obs_shape, num_actions, self.device,
+                                                       tensors, stale)
+            self._background_started = time.perf_counter()
+            log.info("compiling the learner's step in a helper process; updates run eagerly until it is done")
+            return
+        helper = self._background_helper
+        if helper.poll() is None:
+            return
+        self.background_compile_s = time.perf_counter() - self._background_started
+        if helper.returncode == 0:
+            log.info(f"the helper compiled the step in {self.background_compile_s:.0f} s; compiling it here from "
+                     "the warm cache")
+        else:
+            log.warning(f"the helper process failed to compile the step (exit code {helper.returncode}); "
+                        "compiling it here")
+        self._background = False
+        self._next_compile_mode()
+        if self._side_compile:
+            for side in (self._bootstrap, self._consistency_targets):
+                if side.wanted and side.compiled is None:
+                    side.start_compiling()
+
+    def close_background_compile(self) -> None:
+        """Stop a helper process still compiling (the learner is going away)."""
+        helper = self._background_helper
+        if helper is not None and helper.poll() is None:
+            helper.terminate()
+            helper.wait(timeout=10)
 
     def _loss_and_backward(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         use_bf16 = self.cfg.bf16 and self.device.type == "cuda"
@@ -267,6 +326,8 @@ class Learner:
     def _update(self, tensors: dict[str, torch.Tensor], stale: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on device tensors; returns (priorities [B], metrics [len(METRIC_NAMES)]), unsynced."""
         cfg = self.cfg
+        if self._background:
+            self._background_turn(tensors, stale)
         if self.target is not None:
             if "bootstrap_obs" not in tensors:
                 raise ValueError("learner.target_update_interval > 0 needs batches with bootstrap observations: "

@@ -1,0 +1,76 @@
+"""The learner's background compile: a helper process that compiles the learner's step once, from the first real
+batch, so that the compile cache (inductor's, on the machine's disk) is warm when the learner compiles it.
+
+A cold compile of the Atari step takes minutes, during which a learner that compiles in line makes no update. With
+`learner.background_compile` the learner trains eagerly meanwhile and then compiles from the warm cache, which
+takes seconds (scripts/compile_cost.py measures both). The helper is a plain subprocess (`python -m`), not a
+multiprocessing child, so that it does not re-import a Ray worker's main module; it exits if its parent does.
+The helper compiles with the learner's own configuration on the same device, so its cache entries are the ones
+the learner looks up (the weights are inputs of the compiled graph: their values do not enter the cache key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from rayzero.config import LearnerConfig, ModelConfig
+
+UPDATES = 2  # the compile happens in the first; the second runs what the first compiled (a recompile shows there)
+
+
+def start(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...], num_actions: int,
+          device: torch.device, tensors: dict[str, torch.Tensor], stale: int) -> subprocess.Popen:
+    """Start the helper on a copy of `tensors` (the first batch, as the learner's update takes it)."""
+    work = Path(tempfile.mkdtemp(prefix="rayzero_compile."))
+    torch.save({k: v.detach().cpu() for k, v in tensors.items()}, work / "batch.pt")
+    helper_cfg = dataclasses.replace(cfg, background_compile=False, compile=True, device=str(device))
+    with open(work / "args.pkl", "wb") as f:
+        pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape),
+                     "num_actions": num_actions, "stale": stale, "parent": os.getpid()}, f)
+    entry = "import sys; from rayzero.learner.background import main; sys.exit(main(sys.argv[1]))"
+    return subprocess.Popen([sys.executable, "-c", entry, str(work)])
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def main(work: str) -> int:
+    from rayzero.learner.learner import Learner
+
+    path = Path(work)
+    try:
+        with open(path / "args.pkl", "rb") as f:
+            args = pickle.load(f)  # written by start(), in a directory only this user can write
+        threading.Thread(target=_exit_with_parent, args=(args["parent"],), daemon=True).start()
+        learner = Learner(args["model_cfg"], args["cfg"], args["obs_shape"], args["num_actions"])
+        tensors = {k: v.to(learner.device) for k, v in
+                   torch.load(path / "batch.pt", map_location="cpu", weights_only=True).items()}
+        for _ in range(UPDATES):
+            learner._update(tensors, args["stale"])
+        if learner.device.type == "cuda":
+            torch.cuda.synchronize()
+        if not learner.compile_state.startswith(("pending", "on")):
+            print(f"rayzero background compile: the step did not compile ({learner.compile_state})", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        for name in ("batch.pt", "args.pkl"):
+            (path / name).unlink(missing_ok=True)
+        try:
+            path.rmdir()
+        except OSError:
+            pass
