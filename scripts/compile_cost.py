@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learner_cost import QUICK, _obs_shape  # noqa: E402  (the same replay and sizes as learner_cost.py)
+from learner_cost import preset_replay  # noqa: E402  (the same replay and sizes as learner_cost.py)
 
 # name: (overrides, cache group[, learner seed]); 'warm_other_weights' asks whether the cache still hits for other
 # weights (a learner that trained eagerly while another process filled the cache)
@@ -41,28 +41,12 @@ def _one(name: str, overrides: list[str], cache_dir: str, steps: int, quick: boo
          seed: int = 0) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # before torch is imported
     try:
-        import numpy as np
         import torch
         import torch._inductor.config as inductor_config
 
-        from rayzero import config as config_mod
         from rayzero.learner.learner import Learner
-        from rayzero.replay.buffer import ReplayBuffer, Segment
 
-        cfg = config_mod.load("atari", [*overrides, *(QUICK if quick else []), "replay.frame_stack=0",
-                                        "replay.shared_obs=false", "replay.capacity=4000", "replay.min_size=100"])
-        obs_shape, actions = _obs_shape(cfg.env), 6
-        replay = ReplayBuffer(cfg.replay, seed=0)
-        rng = np.random.default_rng(0)
-        for _ in range(cfg.replay.capacity // 200):
-            replay.add(Segment(
-                obs=rng.integers(0, 256, size=(200, *obs_shape), dtype=np.uint8),
-                actions=rng.integers(0, actions, size=200),
-                rewards=rng.choice([-1.0, 0.0, 0.0, 0.0, 1.0], size=200).astype(np.float32),
-                policies=rng.dirichlet(np.ones(actions), size=200).astype(np.float32),
-                root_values=rng.normal(size=200).astype(np.float32),
-                num_sampleable=190, terminal=False, bootstrap_value=0.0,
-            ))
+        cfg, obs_shape, actions, replay = preset_replay(overrides, quick)
         batch = replay.sample(cfg.learner.batch_size)
         t0 = time.perf_counter()
         learner = Learner(cfg.model, cfg.learner, obs_shape, actions, seed=seed)

@@ -11,15 +11,7 @@
 set -u
 out=${OUT:-/tmp/device_bisect2}
 mkdir -p "$out"
-probe() {  # NAME TIMEOUT ARGS...
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" python3 scripts/consistency_probe.py --device cuda --steps 12 --every 1 "$@" \
-        > "$out/probe_$name.txt" 2>&1
-    echo "== $name"
-    grep "step " "$out/probe_$name.txt" | sed 's/^.*: step/step/' | tr '\n' ' ' | cut -c1-600; echo
-    grep -m1 "Error" "$out/probe_$name.txt"
-}
+source scripts/consistency_probe.sh  # probe()
 probe eager_noise128 40 --batch 128 --path direct --frames noise
 probe test_noise128 110 --compile --batch 128 --path direct --frames noise
 probe pong_direct128 110 --compile --batch 128 --path direct

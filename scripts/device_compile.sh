@@ -12,15 +12,7 @@ mkdir -p "$out"
 timeout 300 python3 scripts/compile_cost.py --variants cold,warm_other_weights,side_eager,eager --log-dir "$out" \
     --json "$out/compile_cost.json" > "$out/compile_cost.txt" 2>&1
 grep -A8 "^variant" "$out/compile_cost.txt" || tail -5 "$out/compile_cost.txt"
-probe() {  # NAME TIMEOUT ARGS...
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" python3 scripts/consistency_probe.py --device cuda --steps 12 --every 1 "$@" \
-        > "$out/probe_$name.txt" 2>&1
-    echo "== $name"
-    grep "step " "$out/probe_$name.txt" | sed 's/^.*: step/step/' | tr '\n' ' ' | cut -c1-600; echo
-    grep -m1 "Error" "$out/probe_$name.txt"
-}
+source scripts/consistency_probe.sh  # probe()
 probe test_noise128 100 --compile --batch 128 --path direct --frames noise
 probe run_cache256 90 --compile --batch 256 --path cache
 probe fp32_noise128 80 --compile --batch 128 --path direct --frames noise learner.bf16=false

@@ -42,28 +42,36 @@ def _obs_shape(env) -> tuple[int, int, int]:
     return ((1 if env.grayscale else 3) * env.frame_stack, env.image_size, env.image_size)
 
 
-def _one(name: str, overrides: list[str], steps: int, lock_path: str, queue, quick: bool) -> None:
+def preset_replay(overrides: list[str], quick: bool):
+    """The atari preset's config with `overrides`, and a replay of random Atari-sized segments to sample from:
+    (config, obs_shape, num_actions, replay)."""
     import numpy as np
 
     from rayzero import config as config_mod
-    from rayzero.learner.learner import Learner
     from rayzero.replay.buffer import ReplayBuffer, Segment
 
+    cfg = config_mod.load("atari", [*overrides, *(QUICK if quick else []), "replay.frame_stack=0",
+                                    "replay.shared_obs=false", "replay.capacity=4000", "replay.min_size=100"])
+    obs_shape, actions = _obs_shape(cfg.env), 6
+    replay = ReplayBuffer(cfg.replay, seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(cfg.replay.capacity // 200):
+        replay.add(Segment(
+            obs=rng.integers(0, 256, size=(200, *obs_shape), dtype=np.uint8),
+            actions=rng.integers(0, actions, size=200),
+            rewards=rng.choice([-1.0, 0.0, 0.0, 0.0, 1.0], size=200).astype(np.float32),
+            policies=rng.dirichlet(np.ones(actions), size=200).astype(np.float32),
+            root_values=rng.normal(size=200).astype(np.float32),
+            num_sampleable=190, terminal=False, bootstrap_value=0.0,
+        ))
+    return cfg, obs_shape, actions, replay
+
+
+def _one(name: str, overrides: list[str], steps: int, lock_path: str, queue, quick: bool) -> None:
+    from rayzero.learner.learner import Learner
+
     try:
-        cfg = config_mod.load("atari", [*overrides, *(QUICK if quick else []), "replay.frame_stack=0",
-                                        "replay.shared_obs=false", "replay.capacity=4000", "replay.min_size=100"])
-        obs_shape, actions = _obs_shape(cfg.env), 6
-        replay = ReplayBuffer(cfg.replay, seed=0)
-        rng = np.random.default_rng(0)
-        for _ in range(cfg.replay.capacity // 200):
-            replay.add(Segment(
-                obs=rng.integers(0, 256, size=(200, *obs_shape), dtype=np.uint8),
-                actions=rng.integers(0, actions, size=200),
-                rewards=rng.choice([-1.0, 0.0, 0.0, 0.0, 1.0], size=200).astype(np.float32),
-                policies=rng.dirichlet(np.ones(actions), size=200).astype(np.float32),
-                root_values=rng.normal(size=200).astype(np.float32),
-                num_sampleable=190, terminal=False, bootstrap_value=0.0,
-            ))
+        cfg, obs_shape, actions, replay = preset_replay(overrides, quick)
         learner = Learner(cfg.model, cfg.learner, obs_shape, actions, seed=0)
         batch = replay.sample(cfg.learner.batch_size)
         t0 = time.perf_counter()

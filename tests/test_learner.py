@@ -521,13 +521,9 @@ def test_a_target_network_that_fails_to_compile_bootstraps_eagerly_with_the_same
     assert got == expected
 
 
-def test_side_steps_stay_eager_when_asked_while_the_step_compiles(monkeypatch):
-    compiled = []
-
-    def recording_compile(fn, **kwargs):  # records what the learner compiles; runs it as it is
-        compiled.append(getattr(fn, "__name__", type(fn).__name__))
-        return fn
-
+def _consistency_learners():
+    """(model, base learner settings, replay of image segments with bootstrap and next observations): a learner
+    with a target network and the consistency loss, both side steps in use."""
     model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
     base = dict(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cpu", target_update_interval=2,
                 consistency_weight=1.0, consistency_dim=16)
@@ -535,6 +531,17 @@ def test_side_steps_stay_eager_when_asked_while_the_step_compiles(monkeypatch):
                                        next_obs=True), seed=0)
     for s in image_segments():
         replay.add(s)
+    return model, base, replay
+
+
+def test_side_steps_stay_eager_when_asked_while_the_step_compiles(monkeypatch):
+    compiled = []
+
+    def recording_compile(fn, **kwargs):  # records what the learner compiles; runs it as it is
+        compiled.append(getattr(fn, "__name__", type(fn).__name__))
+        return fn
+
+    model, base, replay = _consistency_learners()
     batches = [replay.sample(8) for _ in range(3)]
     reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
     expected = [reference.step(b)[0]["loss"] for b in batches]
@@ -548,19 +555,12 @@ def test_side_steps_stay_eager_when_asked_while_the_step_compiles(monkeypatch):
     assert sorted(compiled) == sorted(["MuZeroLoss", "bootstrap_values", "consistency_targets"])
 
 
-def _background_learner(overrides=None):
-    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
-    base = dict(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cpu", target_update_interval=2,
-                consistency_weight=1.0, consistency_dim=16)
-    replay = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=2, td_steps=2, min_size=0, bootstrap_obs=True,
-                                       next_obs=True), seed=0)
-    for s in image_segments():
-        replay.add(s)
+def _background_learner():
+    model, base, replay = _consistency_learners()
     reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
     # aot_eager traces the step (graphs and autograd, as inductor gets them) without generating kernels: it
     # compiles in seconds and computes what eager does, so the updates must equal eager's exactly.
-    cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True,
-                        **(overrides or {}))
+    cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True)
     return reference, Learner(model, cfg, (3, 16, 16), 3, seed=0), replay
 
 
