@@ -313,6 +313,11 @@ class InferenceServer:
                 self._wave_handed += 1
         for request, error in refused:
             request.channel.fail(request.seq, error)
+        if loop_rows and self._wake is not None:  # the batcher may be waiting for these channels (`_fill`)
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # that loop is closed
+                pass
         self._dispatch_waves()
 
     def _serve_channels(self, others: list[tuple[channels.ServerChannel, int]]) -> None:
