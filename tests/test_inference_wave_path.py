@@ -298,3 +298,38 @@ def test_at_most_wave_batches_unfinished_and_the_queue_is_bounded(local):
         assert server.stats()["queued_rows"] == 0
     finally:
         served.close()
+
+
+def test_a_wave_batch_between_the_batchers_batches_leaves_their_staging_slots_alone(local, emulated_cuda):
+    """CUDA (emulated on the CPU: conftest.py): the batcher keeps one batch in flight while it launches
+    the next, in the other of the runner's two staging slots. A wave job between the two must not make the next
+    launch reuse the slot of the batch still in flight (its outputs would be overwritten before they are read).
+    Order, made certain by holding the GPU thread: batcher launches X, a wave batch runs, batcher launches Y and
+    only then finishes X; X's answer must be X's network outputs, not Y's."""
+    served = Served(local, max_batch=16, max_wait_us=0, bf16=False, search_max_batch=0, switch_interval_us=0)
+    try:
+        server = served.server
+        assert server.runner.cuda and server.runner.graphs
+        rng = np.random.default_rng(5)
+        wave_client, wave_tree = served.client("w", 4), Tree(local)
+        wave_roots = wave_tree.initial(served, "w", rng.normal(size=(4, *OBS)).astype(np.float32))
+        obs_x, obs_y = (rng.normal(size=(3, *OBS)).astype(np.float32) for _ in range(2))
+        gate = threading.Event()
+        server.gpu.submit(gate.wait, 30)
+        x = asyncio.run_coroutine_threadsafe(server.initial("x", obs_x), served.loop)
+        wait_for(lambda: server.gpu._work_queue.qsize() == 1, "the batcher's launch of X")
+        seq = send(wave_client, wave_roots, np.array([1, 2, 0, 1]))
+        wait_for(lambda: server.gpu._work_queue.qsize() == 2, "the wave job")
+        y = asyncio.run_coroutine_threadsafe(server.initial("y", obs_y), served.loop)
+        wait_for(lambda: server._loop_queued_rows() == 3, "Y queued")
+        gate.set()
+        wave_tree.check(wave_roots, [1, 2, 0, 1], answer_of(wave_client, seq, 4))
+        with torch.no_grad():
+            for future, obs in ((x, obs_x), (y, obs_y)):
+                answer, direct = future.result(30), local.initial(torch.from_numpy(obs))
+                np.testing.assert_allclose(answer["value"], direct.value.numpy(), rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(answer["policy_logits"], direct.policy_logits.numpy(), rtol=1e-5, atol=1e-5)
+        assert server.stats()["errors"] == 0
+    finally:
+        served.close()
+
