@@ -683,7 +683,7 @@ class InferenceServer:
 
     def _deliver(self, batch: _Batch, results: list) -> None:
         for request, result in zip(batch.requests, results):
-            if request.channel is not None:  # the fast path: the GPU thread answered it (_answer_channels)
+            if request.channel is not None:  # answered into its channel by the GPU thread (_answer_channels)
                 continue
             if request.future.done():
                 continue
