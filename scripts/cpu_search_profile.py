@@ -9,9 +9,9 @@ Both are subclassed here only to time what the real methods do (wrappers around 
   wave's walk), packing (RemoteNetwork.recurrent_fn up to the channel's request), the channel round trip (request
   written -> answer seen), unpacking (answer seen -> recurrent_fn returns), and the search's glue (the rest of the
   search loop: checks, softmax, addresses);
-  server side, per request: request written -> the poller sees it, -> queued on the event loop, -> its batch
-  launches on the GPU thread, the batch's launch (on the CPU: the network), -> its answer written, -> the client
-  sees it. Clocks: time.perf_counter (CLOCK_MONOTONIC, one clock for every process of the machine).
+  server side, per request: request written -> the poller sees it, -> queued (on the event loop; with the wave
+  queue, by the poller thread itself), -> its batch launches on the GPU thread, the batch's launch (on the CPU: the
+  network), -> its answer written, -> the client sees it. Clocks: time.perf_counter (CLOCK_MONOTONIC, one clock for every process of the machine).
 
 Prints one table per row (roots per half) and writes JSON (machine, versions, date).
 
@@ -36,8 +36,9 @@ _now = time.perf_counter
 
 
 class ProfiledServer(InferenceServer):
-    """The inference actor, with each channel wave request's times recorded: seen by the poller, queued on the
-    event loop, its batch's launch start and end, answered. Keyed by (client, seq)."""
+    """The inference actor, with each channel wave request's times recorded: seen by the poller, queued (event
+    loop or wave queue, whichever the served rayzero has), its batch's launch start and end, answered. Keyed by
+    (client, seq)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -52,13 +53,20 @@ class ProfiledServer(InferenceServer):
                 self._prof[(channel.client, seq)] = [now, 0.0, 0.0, 0.0, 0.0]
         return super()._on_channel_requests(new)
 
-    def _enqueue_channel(self, requests, others):
+    def _queued(self, requests):
         now = _now()
         for r in requests:
             e = self._prof.get((r.client, r.seq))
             if e is not None:
                 e[1] = now
+
+    def _enqueue_channel(self, requests, others):  # rayzero before the wave queue: the event loop queues waves
+        self._queued(requests)
         return super()._enqueue_channel(requests, others)
+
+    def _queue_waves(self, requests):  # with the wave queue: the poller thread queues them (no event loop)
+        self._queued(requests)
+        return super()._queue_waves(requests)
 
     def _launch(self, key, requests):
         start = _now()

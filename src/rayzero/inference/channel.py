@@ -15,8 +15,8 @@ slot (in millionths); the answer's `out` rows are (root value, action, action we
 
 Protocol (one request in flight per channel): the client writes the payload, then kind/rows/store, then bumps
 the request sequence; the actor's poller thread sees the new sequence and hands every request of one sweep over
-all channels to the server at once (recurrent waves skip the per-request coroutine: server.py); the answer is
-written into the channel, then the answered sequence is set. Only the sequence numbers order the two sides,
+all channels to the server at once (recurrent waves go to the server's wave queue, not its event loop: server.py);
+the answer is written into the channel, then the answered sequence is set. Only the sequence numbers order the two sides,
 which relies on stores becoming visible in program order (x86-64); elsewhere clients use Ray calls.
 """
 
@@ -164,7 +164,9 @@ class ServerChannel:
 class Poller:
     """A thread that watches every open channel and hands the new requests of each sweep to
     `on_requests([(channel, seq), ...])` at once (called on this thread; the server validates recurrent waves
-    here and forwards them to its event loop in one hop). Once a second it closes the channels of clients
+    here and queues them for its GPU thread). A sweep with no new request calls `on_idle()` (if given; the
+    server's wave queue uses it for max_wait deadlines): while it returns True the poller does not back off.
+    Once a second it closes the channels of clients
     whose process ended (then calls `on_gone(client)`) and those idle longer than `idle_timeout_s` (if > 0): a
     client that comes back opens a new one. It sweeps every `sleep_s` while requests come, and backs off to
     `idle_sleep_s` once none has come for `idle_after_s` (self-play held back by the replay ratio leaves every
@@ -172,9 +174,10 @@ class Poller:
 
     def __init__(self, on_requests: Callable[[list[tuple[ServerChannel, int]]], None], idle_timeout_s: float = 0.0,
                  sleep_s: float = 20e-6, on_gone: Callable[[str], None] | None = None, idle_after_s: float = 0.005,
-                 idle_sleep_s: float = 500e-6):
+                 idle_sleep_s: float = 500e-6, on_idle: Callable[[], bool] | None = None):
         self.on_requests = on_requests
         self.on_gone = on_gone
+        self.on_idle = on_idle
         self.idle_timeout_s = idle_timeout_s
         self.sleep_s = sleep_s
         self.idle_after_s, self.idle_sleep_s = idle_after_s, idle_sleep_s
@@ -242,7 +245,14 @@ class Poller:
                           and channel.seen == int(channel.header[DONE])):
                         self._drop(channel)
             if not new:
-                time.sleep(self.idle_sleep_s if now - last_request > self.idle_after_s else self.sleep_s)
+                busy = False
+                if self.on_idle is not None:
+                    try:
+                        busy = bool(self.on_idle())
+                    except Exception:  # noqa: BLE001 - the poller goes on
+                        pass
+                idle = not busy and now - last_request > self.idle_after_s
+                time.sleep(self.idle_sleep_s if idle else self.sleep_s)
 
 
 class InferenceClient:

@@ -227,9 +227,15 @@ class Runner:
         return captured
 
     def _acquire(self) -> _Slot:
-        slot = self.slots[self._next_slot]
-        self._next_slot ^= 1
-        if slot.busy:  # the batcher waits for batch k before launching k + 2, so this is rare
+        """The staging slot of the next launch: the one after the last, unless that one's batch is still in
+        flight and the other's is not (the server's wave jobs run between the batcher's launch of a batch and
+        its finish, so slots are not always taken in turn); at most two batches are ever unfinished."""
+        index = self._next_slot
+        if self.slots[index].busy and not self.slots[index ^ 1].busy:
+            index ^= 1
+        slot = self.slots[index]
+        self._next_slot = index ^ 1
+        if slot.busy:  # two batches in flight already (the callers avoid it): wait for this one's upload
             slot.uploaded.synchronize()
         slot.busy = True
         return slot

@@ -7,12 +7,15 @@ request side: validation (a bad request fails alone), the queues and batcher, ba
 bookkeeping (pool.py), the evaluation cache, weights, metrics and the trace; runner.py owns the device side.
 How batching, the GPU thread and backpressure work: docs/architecture.md.
 
-Channel recurrent requests (a CPU search's waves, the hot path) take a fast path: the poller thread validates
-every request of a sweep with one vectorised check and hands them to the event loop in one hop as plain
-`_Request`s that name their channel; the GPU thread answers them by writing into the channel as soon as their
-batch is done, with no coroutine, task or future per request and no hop back to the event loop. The batcher
-does not wait for more rows when every open channel already has its one request queued or running (no channel
-can send another before its answer).
+Channel recurrent requests (a CPU search's waves, the hot path) take a fast path that never touches the event
+loop: the poller thread validates every request of a sweep with one vectorised check, applies backpressure and
+puts them on the wave queue as plain `_Request`s that name their channel. When the queue is ready (a full batch,
+its oldest request waited max_wait_us, or every open channel has its one request queued or running: no channel
+can send another before its answer) the poller, or the GPU thread as it ends a wave batch, submits a wave job to
+the GPU thread, at most WAVE_BATCHES unfinished at a time (one running, one waiting). The job takes up to
+max_batch rows from the queue, runs them as one recurrent batch (slot checks, a bad request fails alone) and
+writes every answer into its channel: no coroutine, task or future per request, no hop to the event loop.
+Channel initial and whole-search requests, and every Ray call, go through the event loop's batcher.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def _as_inference_error(kind: str, error: Exception) -> InferenceError:
 
 
 _ANSWERED = object()  # the result of a fast-path request already written into its channel
+WAVE_BATCHES = 2  # most unfinished wave jobs (recurrent batches from the wave queue): one running, one waiting
 
 
 @dataclasses.dataclass
@@ -135,13 +139,26 @@ class InferenceServer:
         self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference-weights")
         self.gone_clients = 0  # channel clients whose process ended (their latent slots were freed)
         self._channel_loop: asyncio.AbstractEventLoop | None = None
-        # Channel requests handed to the event loop, and those answered, each counter written by one thread only
-        # (the loop; the loop's coroutine answers; the GPU thread's fast-path answers): outstanding = the difference.
+        # Channel requests handed on (to the event loop; to the wave queue) and those answered, each counter written
+        # by one thread only (the loop; the poller; the loop's coroutine answers; the GPU thread's fast-path
+        # answers): outstanding = the difference.
         self._channel_handed = 0
+        self._wave_handed = 0
         self._channel_answered_loop = 0
         self._channel_answered_gpu = 0
         self._channel_errors = 0  # requests the poller thread refused (its own counter: no race with the loop's)
         self._gpu_errors = 0  # fast-path requests the GPU thread answered with an error
+        # The wave queue (channel recurrent requests, poller thread -> GPU thread), under _wave_lock. Counters of
+        # the poller thread's own (requests, refusals, peak rows), as the loop has its own.
+        self._wave_lock = threading.Lock()
+        self._waves: collections.deque[_Request] = collections.deque()
+        self._wave_rows = 0
+        self._wave_jobs = 0  # wave jobs submitted to the GPU thread and not finished
+        self._wave_waiting = 0  # of those, not started yet
+        self._wave_jobs_peak = 0
+        self._wave_requests_n = 0
+        self._wave_overloaded = 0
+        self._wave_peak_rows = 0
 
     # -- public API (async actor methods) -------------------------------------------------------------
 
@@ -211,7 +228,7 @@ class InferenceServer:
         if self._poller is None:
             self._channel_loop = asyncio.get_running_loop()
             self._poller = channels.Poller(self._on_channel_requests, self.cfg.latent_timeout_s,
-                                           on_gone=self._on_client_gone)
+                                           on_gone=self._on_client_gone, on_idle=self._dispatch_waves)
         self._poller.add(channel)
         return {"paths": paths}
 
@@ -232,7 +249,7 @@ class InferenceServer:
 
     def _on_channel_requests(self, new: list[tuple[channels.ServerChannel, int]]) -> None:
         """Poller thread: the new requests of one sweep. Recurrent ones are checked here, all at once, and go to
-        the event loop in one hop as `_Request`s; initial and search requests take the coroutine path."""
+        the wave queue as `_Request`s; initial and search requests go to the event loop (the coroutine path)."""
         waves: list[tuple[channels.ServerChannel, int, int, bool]] = []
         others: list[tuple[channels.ServerChannel, int]] = []
         for channel, seq in new:
@@ -250,9 +267,10 @@ class InferenceServer:
                 channel.reply(seq, self._empty(handles=True))
                 continue
             waves.append((channel, seq, rows, bool(h[channels.STORE])))
-        requests = self._wave_requests(waves) if waves else []
-        if requests or others:
-            self._channel_loop.call_soon_threadsafe(self._enqueue_channel, requests, others)
+        if waves:
+            self._queue_waves(self._wave_requests(waves))
+        if others:
+            self._channel_loop.call_soon_threadsafe(self._serve_channels, others)
 
     def _wave_requests(self, waves: list[tuple[channels.ServerChannel, int, int, bool]]) -> list[_Request]:
         """Poller thread: copy the waves' handles and actions out of their channels (one concatenation each),
@@ -276,24 +294,34 @@ class InferenceServer:
                                      channel, seq))
         return requests
 
-    def _enqueue_channel(self, requests: list[_Request],
-                         others: list[tuple[channels.ServerChannel, int]]) -> None:
-        """Event loop: queue a sweep's recurrent requests (backpressure per request, as `_submit`) and start the
-        coroutine of each other request."""
-        if requests:
-            self._ensure_batcher()
+    def _queue_waves(self, requests: list[_Request]) -> None:
+        """Poller thread: a sweep's recurrent requests onto the wave queue (backpressure per request, as
+        `_submit`: the rows queued on the event loop count too), then a wave job if the queue is ready."""
+        refused: list[tuple[_Request, InferenceOverloaded]] = []
+        loop_rows = self._loop_queued_rows()
+        with self._wave_lock:
             for request in requests:
-                queued = sum(self._queued_rows.values())
+                queued = loop_rows + self._wave_rows
                 if queued and queued + request.rows > self.max_queue:
-                    self.overloaded += 1  # not an error (as in _submit): the client sends it again
-                    request.channel.fail(request.seq, self._overloaded(queued, request.rows))
+                    self._wave_overloaded += 1  # not an error (as in _submit): the client sends it again
+                    refused.append((request, self._overloaded(queued, request.rows)))
                     continue
-                self.peak_queued_rows = max(self.peak_queued_rows, queued + request.rows)
-                self._queues.setdefault("recurrent", collections.deque()).append(request)
-                self._queued_rows["recurrent"] += request.rows
-                self.requests += 1
-                self._channel_handed += 1
-            self._wake.set()
+                self._wave_peak_rows = max(self._wave_peak_rows, queued + request.rows)
+                self._waves.append(request)
+                self._wave_rows += request.rows
+                self._wave_requests_n += 1
+                self._wave_handed += 1
+        for request, error in refused:
+            request.channel.fail(request.seq, error)
+        if loop_rows and self._wake is not None:  # the batcher may be waiting for these channels (`_fill`)
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # that loop is closed
+                pass
+        self._dispatch_waves()
+
+    def _serve_channels(self, others: list[tuple[channels.ServerChannel, int]]) -> None:
+        """Event loop: start the coroutine of each of a sweep's initial and search requests."""
         for channel, seq in others:
             self._serve_channel(channel, seq)
 
@@ -322,6 +350,66 @@ class InferenceServer:
                 channel.reply(seq, task.result())
 
         self._channel_loop.create_task(coro).add_done_callback(answer)
+
+    # -- the wave queue (poller thread -> GPU thread) --------------------------------------------------------
+
+    def _loop_queued_rows(self) -> int:
+        """Rows queued on the event loop (any thread may read it: a sum over a dict, done under the GIL)."""
+        return sum(self._queued_rows.values())
+
+    def _waves_ready(self, now: float) -> bool:
+        """Under _wave_lock: the wave queue has a batch to run now (a full one, its oldest request has waited
+        max_wait_us, or no open channel can add rows before an answer)."""
+        if not self._waves:
+            return False
+        return (self._wave_rows >= self.cfg.max_batch or now >= self._waves[0].submitted + self.cfg.max_wait_us / 1e6
+                or self._channels_all_waiting())
+
+    def _dispatch_waves(self) -> bool:
+        """Poller or GPU thread: submit a wave job when the queue is ready, none is waiting to start and fewer
+        than WAVE_BATCHES are unfinished (on CUDA also while one runs: the next takes the rows that come
+        meanwhile). Returns whether requests are queued (the poller then keeps sweeping at its fast pace)."""
+        if not self._waves:
+            return False
+        with self._wave_lock:
+            if self._wave_waiting or self._wave_jobs >= WAVE_BATCHES:
+                return bool(self._waves)
+            if not (self._waves_ready(time.perf_counter()) or (self.runner.cuda and self._wave_jobs)):
+                return bool(self._waves)
+            self._wave_jobs += 1
+            self._wave_waiting += 1
+            self._wave_jobs_peak = max(self._wave_jobs_peak, self._wave_jobs)
+        try:
+            self.gpu.submit(self._wave_job)
+        except RuntimeError:  # the executor is shut down: the actor is ending
+            with self._wave_lock:
+                self._wave_jobs -= 1
+                self._wave_waiting -= 1
+        return True
+
+    def _wave_job(self) -> None:
+        """GPU thread: one recurrent batch of up to max_batch rows from the wave queue, answered into the
+        channels. On the CPU the queue must still be ready as the job starts (as the batcher's `_fill` after a
+        batch: rows that came while the last one ran wait for the other channels' next waves, up to max_wait)."""
+        requests: list[_Request] = []
+        try:
+            with self._wave_lock:
+                self._wave_waiting -= 1
+                if self._waves and (self.runner.cuda or self._waves_ready(time.perf_counter())):
+                    requests, rows = self._pop_batch(self._waves, self.cfg.max_batch)
+                    self._wave_rows -= rows
+            if requests:
+                self._finish(self._launch("recurrent", requests))
+        except Exception as error:  # noqa: BLE001 - _launch and _finish catch their own; a last resort
+            for request in requests:
+                if int(request.channel.header[channels.DONE]) != request.seq:
+                    self._gpu_errors += 1
+                    self._channel_answered_gpu += 1
+                    request.channel.fail(request.seq, _as_inference_error("recurrent", error))
+        finally:
+            with self._wave_lock:
+                self._wave_jobs -= 1
+            self._dispatch_waves()
 
     async def release(self, client: str) -> int:
         """Free every latent slot of `client` (call when its search ends); returns how many."""
@@ -372,9 +460,11 @@ class InferenceServer:
                             "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
                             "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
         errors = self.errors + self._channel_errors + self._gpu_errors
-        return {"version": self.version, "errors": errors, "requests": self.requests, "buckets": buckets,
-                "overloaded": self.overloaded, "queued_rows": sum(self._queued_rows.values()),
-                "peak_queued_rows": self.peak_queued_rows, "max_queue": self.max_queue,
+        return {"version": self.version, "errors": errors, "requests": self.requests + self._wave_requests_n,
+                "buckets": buckets, "overloaded": self.overloaded + self._wave_overloaded,
+                "queued_rows": self._loop_queued_rows() + self._wave_rows,
+                "peak_queued_rows": max(self.peak_queued_rows, self._wave_peak_rows), "max_queue": self.max_queue,
+                "wave_jobs_peak": self._wave_jobs_peak,
                 "free_slots": self.pool.free, "clients": self.pool.clients,
                 "reclaimed_clients": self.pool.reclaimed_clients, "device": str(self.device),
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
@@ -483,7 +573,7 @@ class InferenceServer:
 
     async def _submit(self, key: Any, client: str, payload: Any, rows: int) -> dict[str, np.ndarray]:
         loop = self._ensure_batcher()
-        queued = sum(self._queued_rows.values())
+        queued = self._loop_queued_rows() + self._wave_rows
         if queued and queued + rows > self.max_queue:
             self.overloaded += 1
             raise self._overloaded(queued, rows)
@@ -527,16 +617,22 @@ class InferenceServer:
         poller = self._poller
         if poller is None:
             return False
-        waiting = self._channel_handed - self._channel_answered_loop - self._channel_answered_gpu
+        waiting = self._channel_handed + self._wave_handed - self._channel_answered_loop - self._channel_answered_gpu
         return 0 < len(poller.channels) <= waiting
 
-    def _take(self, key: Any) -> list[_Request]:
-        queue, limit = self._queues[key], self._limit(key)
-        batch, rows = [queue.popleft()], 0
+    @staticmethod
+    def _pop_batch(queue: collections.deque[_Request], limit: int) -> tuple[list[_Request], int]:
+        """The oldest requests of `queue` up to `limit` rows (at least one), and their rows."""
+        batch = [queue.popleft()]
         rows = batch[0].rows
         while queue and rows + queue[0].rows <= limit:
             rows += queue[0].rows
             batch.append(queue.popleft())
+        return batch, rows
+
+    def _take(self, key: Any) -> list[_Request]:
+        queue = self._queues[key]
+        batch, rows = self._pop_batch(queue, self._limit(key))
         self._queued_rows[key] -= rows
         if not queue:
             del self._queues[key]
@@ -587,7 +683,7 @@ class InferenceServer:
 
     def _deliver(self, batch: _Batch, results: list) -> None:
         for request, result in zip(batch.requests, results):
-            if request.channel is not None:  # the fast path: the GPU thread answered it (_answer_channels)
+            if request.channel is not None:  # answered into its channel by the GPU thread (_answer_channels)
                 continue
             if request.future.done():
                 continue
