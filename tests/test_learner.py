@@ -601,6 +601,15 @@ def test_a_failed_background_compile_leaves_the_learner_compiling_in_its_own_pro
     assert "failed to compile the step (exit code 7)" in caplog.text
 
 
+def test_closing_the_learner_stops_its_background_compile_and_removes_the_batch_copy():
+    _, learner, replay = _background_learner()
+    learner.step(replay.sample(8))  # the first batch starts the helper
+    helper = learner._background_helper
+    assert helper.poll() is None and (helper.work_dir / "batch.pt").exists()
+    learner.close()
+    assert helper.poll() is not None and not helper.work_dir.exists()
+
+
 def test_unknown_compile_backend_is_refused_with_the_valid_ones():
     with pytest.raises(ConfigError, match=r"compile_backend.*'tvm'.*inductor.*aot_eager"):
         LearnerConfig(compile_backend="tvm")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,16 @@ def start(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...]
         pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape),
                      "num_actions": num_actions, "stale": stale, "parent": os.getpid()}, f)
     entry = "import sys; from rayzero.learner.background import main; sys.exit(main(sys.argv[1]))"
-    return subprocess.Popen([sys.executable, "-c", entry, str(work)])
+    helper = subprocess.Popen([sys.executable, "-c", entry, str(work)])
+    helper.work_dir = work  # type: ignore[attr-defined]  # removed by `clean_up` (the helper's own may not run)
+    return helper
+
+
+def clean_up(helper: subprocess.Popen) -> None:
+    """Remove the helper's batch copy, once it has ended (a killed helper leaves it behind)."""
+    work = getattr(helper, "work_dir", None)
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -293,6 +293,7 @@ class Learner:
         if helper.poll() is None:
             return
         self.background_compile_s = time.perf_counter() - self._background_started
+        background.clean_up(helper)
         if helper.returncode == 0:
             log.info(f"the helper compiled the step in {self.background_compile_s:.0f} s; compiling it here from "
                      "the warm cache")
@@ -307,11 +308,13 @@ class Learner:
                     side.start_compiling()
 
     def close_background_compile(self) -> None:
-        """Stop a helper process still compiling (the learner is going away)."""
+        """Stop a helper process still compiling (the learner is going away); training stays eager until the
+        next update compiles here."""
         helper = self._background_helper
         if helper is not None and helper.poll() is None:
             helper.terminate()
             helper.wait(timeout=10)
+            background.clean_up(helper)
 
     def _loss_and_backward(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         use_bf16 = self.cfg.bf16 and self.device.type == "cuda"
@@ -642,7 +645,9 @@ class Learner:
         torch.set_rng_state(other["rng"].cpu())
 
     def close(self) -> None:
-        """Stop the background threads (they are daemons: a process that exits needs no call)."""
+        """Stop the background threads (they are daemons: a process that exits needs no call) and a background
+        compile still running (it also ends by itself when this process does)."""
+        self.close_background_compile()
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
