@@ -605,7 +605,7 @@ def test_closing_the_learner_stops_its_background_compile_and_removes_the_batch_
     _, learner, replay = _background_learner()
     learner.step(replay.sample(8))  # the first batch starts the helper
     helper = learner._background_helper
-    assert helper.poll() is None and (helper.work_dir / "batch.pt").exists()
+    assert helper.poll() is None  # compiling (it removes its batch copy once read; a killed one cannot)
     learner.close()
     assert helper.poll() is not None and not helper.work_dir.exists()
 

@@ -21,12 +21,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rayzero.config import LearnerConfig, ModelConfig
-
-UPDATES = 2  # the compile happens in the first; the second runs what the first compiled (a recompile shows there)
 
 
 def start(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...], num_actions: int,
@@ -38,7 +37,7 @@ def start(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...]
     with open(work / "args.pkl", "wb") as f:
         pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape),
                      "num_actions": num_actions, "stale": stale, "parent": os.getpid()}, f)
-    entry = "import sys; from rayzero.learner.background import main; sys.exit(main(sys.argv[1]))"
+    entry = "import sys; from rayzero.learner.learner import compile_in_helper; sys.exit(compile_in_helper(sys.argv[1]))"
     helper = subprocess.Popen([sys.executable, "-c", entry, str(work)])
     helper.work_dir = work  # type: ignore[attr-defined]  # removed by `clean_up` (the helper's own may not run)
     return helper
@@ -58,29 +57,15 @@ def _exit_with_parent(parent: int) -> None:
         time.sleep(1.0)
 
 
-def main(work: str) -> int:
-    from rayzero.learner.learner import Learner
-
+def read_job(work: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """In the helper: the arguments and the batch `start` wrote, removed once read; a thread then ends the
+    helper if its parent (the learner) goes away."""
     path = Path(work)
     try:
         with open(path / "args.pkl", "rb") as f:
-            args = pickle.load(f)  # written by start(), in a directory only this user can write
-        threading.Thread(target=_exit_with_parent, args=(args["parent"],), daemon=True).start()
-        learner = Learner(args["model_cfg"], args["cfg"], args["obs_shape"], args["num_actions"])
-        tensors = {k: v.to(learner.device) for k, v in
-                   torch.load(path / "batch.pt", map_location="cpu", weights_only=True).items()}
-        for _ in range(UPDATES):
-            learner._update(tensors, args["stale"])
-        if learner.device.type == "cuda":
-            torch.cuda.synchronize()
-        if not learner.compile_state.startswith(("pending", "on")):
-            print(f"rayzero background compile: the step did not compile ({learner.compile_state})", file=sys.stderr)
-            return 1
-        return 0
+            args = pickle.load(f)  # written by start(), in a private temporary directory
+        tensors = torch.load(path / "batch.pt", map_location="cpu", weights_only=True)
     finally:
-        for name in ("batch.pt", "args.pkl"):
-            (path / name).unlink(missing_ok=True)
-        try:
-            path.rmdir()
-        except OSError:
-            pass
+        shutil.rmtree(path, ignore_errors=True)
+    threading.Thread(target=_exit_with_parent, args=(args["parent"],), daemon=True).start()
+    return args, tensors

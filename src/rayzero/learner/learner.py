@@ -20,6 +20,7 @@ import gc
 import inspect
 import math
 import pickle
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -166,24 +167,7 @@ class Learner:
         self.loss_module = MuZeroLoss(self.model, cfg.value_loss_weight, self.consistency, cfg.consistency_weight,
                                       self.channels_last, cfg.shift_pixels)
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
-        # The inner loss module is what gets compiled, so the graph (and the compile cache entry it reuses across
-        # processes) is the same with and without DDP; DDP reduces the gradients after the compiled backward.
-        self._switch = _Switch(self.loss_module, None)
-        # Modes to try in order; the first steps of each are watched, and a failure moves to the next, then eager.
-        fallback = ["default"] if cfg.compile_mode != "default" else []
-        self._modes = ([cfg.compile_mode] + fallback) if use_compile else []
-        self._graphs = False
-        self._watch_steps = 0
-        self.compile_state = "off"  # "pending:<mode>", then "on:<mode>", or "failed"; "background" before those
-        # With learner.background_compile: eager until the helper process has filled the compile cache.
-        self._background = use_compile and cfg.background_compile and not distributed
-        self._background_helper: Any = None  # the helper process, once the first batch has started it
-        self._background_started = 0.0
-        self.background_compile_s: float | None = None  # how long the helper took (None: none ran, or not yet)
-        if self._background:
-            self.compile_state = "background"
-        else:
-            self._next_compile_mode()
+        self._init_compile(use_compile, distributed)
         self.world_size, self.rank = 1, 0
         self._forward: torch.nn.Module = self._switch
         if distributed:
@@ -223,6 +207,28 @@ class Learner:
         self._outbox: PriorityOutbox | None = None
         self._calls = 0
         self._published: tuple[int, int, StateDict] | None = None  # (version, steps, weights) of `weights`
+
+    def _init_compile(self, use_compile: bool, distributed: bool) -> None:
+        """The compile state: the modes to try (the first steps of each are watched, a failure moves to the next,
+        then eager), and with learner.background_compile eager until the helper process has filled the cache."""
+        cfg = self.cfg
+        # The inner loss module is what gets compiled, so the graph (and the compile cache entry it reuses across
+        # processes) is the same with and without DDP; DDP reduces the gradients after the compiled backward.
+        self._switch = _Switch(self.loss_module, None)
+        fallback = ["default"] if cfg.compile_mode != "default" else []
+        self._modes = ([cfg.compile_mode] + fallback) if use_compile else []
+        self._graphs = False
+        self._watch_steps = 0
+        self.compile_state = "off"  # "pending:<mode>", then "on:<mode>", or "failed"; "background" before those
+        # With learner.background_compile: eager until the helper process has filled the compile cache.
+        self._background = use_compile and cfg.background_compile and not distributed
+        self._background_helper: Any = None  # the helper process, once the first batch has started it
+        self._background_started = 0.0
+        self.background_compile_s: float | None = None  # how long the helper took (None: none ran, or not yet)
+        if self._background:
+            self.compile_state = "background"
+        else:
+            self._next_compile_mode()
 
     def _join_ranks(self) -> None:
         """As one rank of the initialised process group: wrap the loss in DDP, or (grad_sync 'flat') start from
@@ -654,6 +660,25 @@ class Learner:
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
+
+
+HELPER_UPDATES = 2  # the background compile happens in the first; the second runs what it compiled (or recompiles)
+
+
+def compile_in_helper(work: str) -> int:
+    """The background compile's helper process (learner/background.py starts it): a learner of the same
+    configuration compiles its step on the first batch; exit code 0 when it compiled."""
+    args, batch = background.read_job(work)
+    learner = Learner(args["model_cfg"], args["cfg"], args["obs_shape"], args["num_actions"])
+    tensors = {k: v.to(learner.device) for k, v in batch.items()}
+    for _ in range(HELPER_UPDATES):
+        learner._update(tensors, args["stale"])
+    if learner.device.type == "cuda":
+        torch.cuda.synchronize()
+    if not learner.compile_state.startswith(("pending", "on")):
+        print(f"rayzero background compile: the step did not compile ({learner.compile_state})", file=sys.stderr)
+        return 1
+    return 0
 
 
 def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | Path) -> None:
