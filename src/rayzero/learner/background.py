@@ -3,10 +3,11 @@ batch, so that the compile cache (inductor's, on the machine's disk) is warm whe
 
 A cold compile of the Atari step takes minutes, during which a learner that compiles in line makes no update. With
 `learner.background_compile` the learner trains eagerly meanwhile and then compiles from the warm cache, which
-takes seconds (scripts/compile_cost.py measures both). The helper is a plain subprocess (`python -m`), not a
+takes seconds (scripts/compile_cost.py measures both). The helper is a plain subprocess (`python -c`), not a
 multiprocessing child, so that it does not re-import a Ray worker's main module; it exits if its parent does.
-The helper compiles with the learner's own configuration on the same device, so its cache entries are the ones
-the learner looks up (the weights are inputs of the compiled graph: their values do not enter the cache key).
+The helper (`compile_in_helper` in learner.py) compiles with the learner's own configuration on the same device,
+so its cache entries are the ones the learner looks up (the weights are inputs of the compiled graph: their values
+do not enter the cache key).
 """
 
 from __future__ import annotations
