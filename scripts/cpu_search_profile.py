@@ -11,7 +11,8 @@ Both are subclassed here only to time what the real methods do (wrappers around 
   search loop: checks, softmax, addresses);
   server side, per request: request written -> the poller sees it, -> queued (on the event loop; with the wave
   queue, by the poller thread itself), -> its batch launches on the GPU thread, the batch's launch (on the CPU: the
-  network), -> its answer written, -> the client sees it. Clocks: time.perf_counter (CLOCK_MONOTONIC, one clock for every process of the machine).
+  network), -> its answer written, -> the client sees it. Clocks: time.perf_counter (CLOCK_MONOTONIC, one clock
+  for every process of the machine).
 
 Prints one table per row (roots per half) and writes JSON (machine, versions, date).
 

@@ -107,7 +107,7 @@ class FaultInjector:
                 self._record(NODE, now)
             if len(self.injected) > before:
                 mark = progress
-            elif (self.end_after_faults and done == singles and progress[0] > mark[0] and progress[1] > mark[1]
+            elif (self.end_after_faults and done == singles and moved and progress[1] > mark[1]
                   and sum(f["kind"] == SELFPLAY for f in self.injected) >= self.min_selfplay_kills):
                 self.driver.request_stop(FAULTS_DONE)
 
@@ -218,9 +218,9 @@ def run(schedule: FaultSchedule, out: Path, time_limit: float, quick: bool = Fal
 
 def survived(result: dict[str, Any]) -> dict[str, dict[str, int]]:
     """Per kind of fault: how many were injected, and how many the run recovered from. A run that did not
-    reach its time limit (or, ended by the injector, the end of its faults) survived none. Otherwise a kill is survived when the summary shows its replacement or
-    restart; a node removal when the run went on (what it cost, a self-play or an inference actor that was on
-    the node, is replaced beyond the direct kills)."""
+    reach its time limit (or, ended by the injector, the end of its faults) survived none. Otherwise a kill is
+    survived when the summary shows its replacement or restart; a node removal when the run went on (what it
+    cost, a self-play or an inference actor that was on the node, is replaced beyond the direct kills)."""
     summary, injected = result["summary"], result["injected"]
     faults = summary["faults"]
     count = {kind: sum(f["kind"] == kind for f in injected) for kind in (SELFPLAY, INFERENCE, SHARD, NODE)}

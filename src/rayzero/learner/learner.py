@@ -192,7 +192,6 @@ class Learner:
         self._consistency_targets = _SideStep(self.loss_module.consistency_targets, "the consistency targets",
                                               side_compile and self.consistency is not None
                                               and cfg.consistency_targets == "separate", **side)
-        self._side_compile = side_compile
         if (self.consistency is not None and cfg.consistency_targets == "step" and use_compile
                 and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"):
             log.warning("learner.consistency_targets=step with CUDA graphs: the consistency loss did not train this "
@@ -308,10 +307,9 @@ class Learner:
                         "compiling it here")
         self._background = False
         self._next_compile_mode()
-        if self._side_compile:
-            for side in (self._bootstrap, self._consistency_targets):
-                if side.wanted and side.compiled is None:
-                    side.start_compiling()
+        for side in (self._bootstrap, self._consistency_targets):
+            if side.wanted and side.compiled is None:
+                side.start_compiling()
 
     def close_background_compile(self) -> None:
         """Stop a helper process still compiling (the learner is going away); training stays eager until the
