@@ -610,6 +610,24 @@ def test_closing_the_learner_stops_its_background_compile_and_removes_the_batch_
     assert helper.poll() is not None and not helper.work_dir.exists()
 
 
+def test_the_background_helper_gets_a_valid_device_from_an_indexed_one():
+    """A Ray GPU actor's learner sits on torch.device('cuda', 0); the helper's config must still validate."""
+    import pickle
+
+    from rayzero.learner import background
+
+    tensors = {"x": torch.zeros(2, 3)}
+    helper = background.start(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cuda", 0), tensors, 0)
+    try:
+        with open(helper.work_dir / "args.pkl", "rb") as f:
+            args = pickle.load(f)
+        assert args["cfg"].device == "cuda" and args["cfg"].compile and not args["cfg"].background_compile
+    finally:
+        helper.kill()
+        helper.wait()
+        background.clean_up(helper)
+
+
 def test_unknown_compile_backend_is_refused_with_the_valid_ones():
     with pytest.raises(ConfigError, match=r"compile_backend.*'tvm'.*inductor.*aot_eager"):
         LearnerConfig(compile_backend="tvm")
