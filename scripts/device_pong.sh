@@ -6,8 +6,9 @@
 #
 # Everything lands in $OUT: train.out/.log, metrics.jsonl, summary.json, learning_curve.png, plan.json, dmon.txt,
 # probe.json (PROBE_DEVICE=cpu for a try on a CPU). A run of TIME_LIMIT s takes about TIME_LIMIT + 60 s, the probe up to 90 s more.
-# A bar run (TIME_LIMIT 540) does not fit a 600 s call with its final evaluation: TRAIN_TIMEOUT=575 PROBE=0 ends
-# it in time, and metrics.jsonl and train.log are copied into $OUT every 10 s, so what it logged comes back.
+# A bar run (TIME_LIMIT 540) does not fit a 600 s call with its final evaluation: TRAIN_TIMEOUT=550 PROBE=0 ends
+# it in time (SIGTERM starts rayzero's clean end, final evaluation included; -k 10 kills what is left 10 s later),
+# and metrics.jsonl and train.log are copied into $OUT every 10 s, so what it logged comes back.
 set -u
 name=$1 limit=$2
 shift 2
@@ -15,7 +16,7 @@ out=${OUT:-/tmp/$name.out}
 mkdir -p "$out"
 (nvidia-smi dmon -s u -d 5 > "$out/dmon.txt" 2>&1 &)
 (while sleep 10; do cp "/tmp/$name/metrics.jsonl" "$out/" 2>/dev/null; done &)
-timeout "${TRAIN_TIMEOUT:-$((limit + 90))}" python3 -m rayzero train --config atari --out "/tmp/$name" --time-limit "$limit" "$@" \
+timeout -k 10 "${TRAIN_TIMEOUT:-$((limit + 90))}" python3 -m rayzero train --config atari --out "/tmp/$name" --time-limit "$limit" "$@" \
     > "$out/train.out" 2> "$out/train.log"
 for f in metrics.jsonl summary.json learning_curve.png plan.json; do cp "/tmp/$name/$f" "$out/" 2>/dev/null; done
 python3 scripts/lab_row.py "/tmp/$name" --dmon "$out/dmon.txt" --at "120,300,$limit"
