@@ -772,6 +772,71 @@ def test_loss_diagnostics_have_their_known_values():
     assert got["reward_error"] == pytest.approx(reward_error.mean(), rel=1e-4)
 
 
+def _unroll_only_batch():
+    """A batch whose root terms are masked out, so the loss is the unrolled steps' alone."""
+    batch = filled_replay().sample(16)
+    tensors = {name: torch.as_tensor(getattr(batch, name)) for name in (
+        "obs", "actions", "target_values", "target_rewards", "target_policies", "value_mask", "reward_mask",
+        "policy_mask", "weights")}
+    for mask in ("value_mask", "policy_mask"):
+        tensors[mask] = tensors[mask].clone()
+        tensors[mask][:, 0] = 0
+    return tensors
+
+
+def test_the_dynamics_gradient_scale_scales_only_what_reaches_the_representation():
+    """With the root terms masked and one unrolled step, the representation's gradient is the scale times its
+    unscaled gradient, while the dynamics and prediction gradients do not change."""
+    from rayzero.learner.loss import MuZeroLoss
+    from rayzero.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(MODEL, (4,), 2)
+    with torch.no_grad():  # the heads start at zero, which would pass no gradient back to the latent
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    steps = {"target_values", "target_rewards", "target_policies", "value_mask", "reward_mask", "policy_mask"}
+    tensors = {k: v[:, :2] if k in steps else v for k, v in _unroll_only_batch().items()}
+    tensors["actions"] = tensors["actions"][:, :1]  # K = 1
+    grads = {}
+    for scale in (1.0, 0.5, 0.25):
+        model.zero_grad()
+        MuZeroLoss(model, 0.25, dynamics_grad_scale=scale)(tensors)[0].backward()
+        grads[scale] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    represent = [n for n in grads[1.0] if n.startswith("representation")]
+    others = [n for n in grads[1.0] if not n.startswith("representation")]
+    assert represent and others
+    assert any(grads[1.0][n].abs().max() > 0 for n in represent)
+    for scale in (0.5, 0.25):
+        for n in represent:
+            torch.testing.assert_close(grads[scale][n], scale * grads[1.0][n], rtol=1e-5, atol=1e-7)
+        for n in others:
+            torch.testing.assert_close(grads[scale][n], grads[1.0][n], rtol=1e-5, atol=1e-7)
+
+
+def test_the_unroll_step_weight_weighs_each_unrolled_step_against_the_root():
+    """Root terms masked: a weight of 1 per unrolled step gives K times the default 1/K loss; with the root
+    unmasked, the default equals an explicit 1/K."""
+    from rayzero.learner.loss import MuZeroLoss
+    from rayzero.models import build_model
+
+    model = build_model(MODEL, (4,), 2)
+    tensors = _unroll_only_batch()
+    K = tensors["actions"].shape[1]
+    default = MuZeroLoss(model, 0.25)(tensors)[0]
+    torch.testing.assert_close(MuZeroLoss(model, 0.25, unroll_step_weight=1.0)(tensors)[0], K * default)
+    full = filled_replay().sample(16)
+    full = {name: torch.as_tensor(getattr(full, name)) for name in tensors}
+    assert MuZeroLoss(model, 0.25)(full)[0] == MuZeroLoss(model, 0.25, unroll_step_weight=1.0 / K)(full)[0]
+
+
+@pytest.mark.parametrize("field,value", [("dynamics_grad_scale", 0.0), ("dynamics_grad_scale", 1.5),
+                                         ("unroll_step_weight", 0.0)])
+def test_bad_unroll_loss_settings_are_refused_with_the_valid_range(field, value):
+    with pytest.raises(ConfigError, match=rf"learner.{field}={value}.*(\(0, 1\]|> 0, or None)"):
+        LearnerConfig(**{field: value})
+
+
 def test_resnet_dynamics_tells_actions_apart_whose_codes_are_neighbours():
     """The reward depends on the action non-monotonically (1 for actions 2 and 4 of 6, 0 for the rest), as
     Pong's RIGHT/LEFT/RIGHTFIRE codes do. After 40 Adam steps the dynamics' reward head must be within 0.5 of

@@ -312,6 +312,13 @@ class LearnerConfig:
     input; 'step', inside the compiled step. With 'step' under CUDA graphs (torch 2.11, H200) the cosine does not
     train and the gradient norm jumps 20x after the first step, while eager trains it (docs/benchmarks.md);
     the learner warns when asked for that combination."""
+    dynamics_grad_scale: float = 0.5
+    """Factor on the gradient entering each dynamics step of the unroll: MuZero's and EfficientZero's 0.5 (so
+    the representation is not dominated by K steps of model-learning gradient); LightZero's MuZero uses 1."""
+    unroll_step_weight: float | None = None
+    """Weight of each unrolled step's loss terms, the root's being 1; None = 1/K (MuZero's), so deeper unrolls
+    do not dominate. 1 weighs every step as the root (LightZero's relative weights; it scales the whole sum by
+    1/K, which for SGD is lr/K)."""
     shift_pixels: int = 0
     """Image observations: shift each training image (the root's, and the next observations of the consistency
     loss) by a random offset of up to this many pixels each way, edges replicated (EfficientZero's and
@@ -356,6 +363,9 @@ class LearnerConfig:
             ("consistency_dim", self.consistency_dim >= 1, ">= 1"),
             ("consistency_targets", self.consistency_targets in ("step", "separate"), "'step' or 'separate'"),
             ("shift_pixels", self.shift_pixels >= 0, ">= 0 (0 = off)"),
+            ("dynamics_grad_scale", 0 < self.dynamics_grad_scale <= 1, "in (0, 1]"),
+            ("unroll_step_weight", self.unroll_step_weight is None or self.unroll_step_weight > 0,
+             "> 0, or None (= 1/K)"),
             ("grad_sync", self.grad_sync in ("ddp", "flat"), "'ddp' or 'flat'"),
         ])
 

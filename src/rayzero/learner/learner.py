@@ -165,7 +165,8 @@ class Learner:
             self.model.train()
             self.consistency = ConsistencyHeads(features, cfg.consistency_dim).to(self.device)
         self.loss_module = MuZeroLoss(self.model, cfg.value_loss_weight, self.consistency, cfg.consistency_weight,
-                                      self.channels_last, cfg.shift_pixels)
+                                      self.channels_last, cfg.shift_pixels, cfg.dynamics_grad_scale,
+                                      cfg.unroll_step_weight)
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self._init_compile(use_compile, distributed)
         self.world_size, self.rank = 1, 0

@@ -1,8 +1,8 @@
 """The K-step unrolled MuZero loss, EfficientZero's consistency loss, and target-network value bootstraps.
 
 Policy: cross-entropy against the search policy. Value and reward: cross-entropy against two-hot targets on
-the h-transformed support. The gradient entering each dynamics step is halved (MuZero's scale 0.5), and the
-losses of the K unrolled steps are scaled by 1/K so that deeper unrolls do not dominate.
+the h-transformed support. The gradient entering each dynamics step is scaled (MuZero's 0.5 by default), and the
+losses of the K unrolled steps are weighted (1/K by default, so that deeper unrolls do not dominate).
 
 Value prefix (optional, EfficientZero, `model.value_prefix`): the reward term fits, at each unrolled step, the
 LSTM's value-prefix prediction to the sum of the rewards since the root (restarting every horizon steps).
@@ -35,6 +35,8 @@ STAT_NAMES = ("policy_loss", "value_loss", "reward_loss", "consistency_loss",
 
 
 def scale_gradient(x: torch.Tensor, scale: float) -> torch.Tensor:
+    if scale == 1.0:
+        return x
     return x * scale + x.detach() * (1.0 - scale)
 
 
@@ -70,8 +72,11 @@ class MuZeroLoss(nn.Module):
     """
 
     def __init__(self, model: MuZeroNet, value_loss_weight: float, consistency: ConsistencyHeads | None = None,
-                 consistency_weight: float = 0.0, channels_last: bool = False, shift_pixels: int = 0):
+                 consistency_weight: float = 0.0, channels_last: bool = False, shift_pixels: int = 0,
+                 dynamics_grad_scale: float = 0.5, unroll_step_weight: float | None = None):
         super().__init__()
+        self.dynamics_grad_scale = dynamics_grad_scale
+        self.unroll_step_weight = unroll_step_weight
         self.model = model
         self.consistency = consistency
         self.value_loss_weight = value_loss_weight
@@ -97,7 +102,8 @@ class MuZeroLoss(nn.Module):
         support = model.support_size
         actions = batch["actions"]
         num_unroll = actions.shape[1]
-        step_scale = 1.0 / num_unroll
+        step_scale = 1.0 / num_unroll if self.unroll_step_weight is None else self.unroll_step_weight
+        grad_scale = self.dynamics_grad_scale
         latent = model.represent(self._images(batch["obs"]))
         policy_logits, value_logits = model.predict(latent)
         value_targets = scalar_to_support(batch["target_values"], support)  # [B, K+1, bins]
@@ -127,12 +133,12 @@ class MuZeroLoss(nn.Module):
                 batch["target_rewards"] * reward_mask, model.prefix_horizon), support)
         for k in range(1, num_unroll + 1):
             if model.value_prefix:
-                latent = model.transition(scale_gradient(latent, 0.5), actions[:, k - 1])
+                latent = model.transition(scale_gradient(latent, grad_scale), actions[:, k - 1])
                 reward_logits, state = model.prefix_step(latent, state)
                 if k % model.prefix_horizon == 0:
                     state = model.prefix_state(actions.shape[0], actions.device, latent.dtype)
             else:
-                latent, reward_logits = model.dynamics(scale_gradient(latent, 0.5), actions[:, k - 1])
+                latent, reward_logits = model.dynamics(scale_gradient(latent, grad_scale), actions[:, k - 1])
             policy_logits, value_logits = model.predict(latent)
             policy_loss = policy_loss + step_scale * _cross_entropy(
                 policy_logits, batch["target_policies"][:, k]
