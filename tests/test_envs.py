@@ -387,3 +387,25 @@ def test_selfplay_sends_atari_segments_as_frames_that_restack_exactly() -> None:
         np.testing.assert_array_equal(framed.stacked_obs(), stacked.obs)
         np.testing.assert_array_equal(framed.actions, stacked.actions)
     assert any(f.history.any() for f in sent[4])  # mid-episode segments carry real older frames
+
+
+def test_self_play_envs_can_play_without_sticky_actions_while_evaluation_keeps_them() -> None:
+    """env.train_sticky_action_prob applies to the training envs only: with it at 0 they play what envs without
+    sticky actions play, while evaluation envs of the same config still repeat actions (and so play otherwise)."""
+    rng = np.random.default_rng(4)
+    actions = rng.integers(0, 6, size=(150, 2))
+
+    def play(cfg: EnvConfig, training: bool) -> np.ndarray:
+        with envs.make_vector_env(cfg, 2, seed=7, training=training) as env:
+            frames = [env.reset()]
+            frames += [env.step(a).obs for a in actions]
+        return np.stack(frames)
+
+    base = dict(id="ALE/Pong-v5", noop_max=0, num_threads=1)
+    split = EnvConfig(**base, sticky_action_prob=0.9, train_sticky_action_prob=0.0)
+    np.testing.assert_array_equal(play(split, True), play(EnvConfig(**base, sticky_action_prob=0.0), True))
+    evaluated = play(split, False)
+    assert not np.array_equal(evaluated, play(EnvConfig(**base, sticky_action_prob=0.0), False))
+    np.testing.assert_array_equal(evaluated, play(EnvConfig(**base, sticky_action_prob=0.9), False))
+    with pytest.raises(ValueError, match=r"train_sticky_action_prob=1.0.*\[0, 1\)"):
+        EnvConfig(id="ALE/Pong-v5", train_sticky_action_prob=1.0)

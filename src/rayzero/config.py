@@ -54,6 +54,9 @@ class EnvConfig:
     """Atari: up to this many no-op actions at reset."""
     sticky_action_prob: float = 0.25
     """Atari: repeat_action_probability (0.25 = v5 semantics)."""
+    train_sticky_action_prob: float | None = None
+    """Atari: repeat_action_probability of the self-play envs only (None = sticky_action_prob); evaluation keeps
+    sticky_action_prob. EfficientZero and LightZero train on deterministic NoFrameskip-v4 games (0)."""
     full_action_space: bool = False
     """Atari: all 18 actions instead of the game's minimal set."""
     episodic_life: bool = True
@@ -76,6 +79,8 @@ class EnvConfig:
             ("frame_stack", self.frame_stack >= 1, ">= 1"),
             ("noop_max", self.noop_max >= 0, ">= 0"),
             ("sticky_action_prob", 0.0 <= self.sticky_action_prob < 1.0, "in [0, 1)"),
+            ("train_sticky_action_prob", self.train_sticky_action_prob is None
+             or 0.0 <= self.train_sticky_action_prob < 1.0, "in [0, 1), or None (= sticky_action_prob)"),
             ("max_episode_steps", self.max_episode_steps >= 0, ">= 0"),
             ("num_threads", self.num_threads >= 0, ">= 0 (0 = one per env, up to the CPUs)"),
         ])

@@ -353,12 +353,15 @@ class _AtariBatchedEnv(BatchedEnv):
         self._life_loss = training and cfg.episodic_life
         self._rgb = not cfg.grayscale
         max_steps = cfg.max_episode_steps or ATARI_DEFAULT_MAX_STEPS
+        sticky = cfg.sticky_action_prob
+        if training and cfg.train_sticky_action_prob is not None:
+            sticky = cfg.train_sticky_action_prob
         self._env = AtariVectorEnv(
             game,
             num_envs,
             num_threads=cfg.num_threads or max(1, min(num_envs, _available_cpus())),
             max_num_frames_per_episode=max_steps * cfg.frame_skip,  # the native limit counts frames
-            repeat_action_probability=cfg.sticky_action_prob,
+            repeat_action_probability=sticky,
             full_action_space=cfg.full_action_space,
             autoreset_mode=AutoresetMode.SAME_STEP,
             img_height=cfg.image_size,
