@@ -39,3 +39,45 @@ def test_evaluation_through_the_inference_actor_plays_the_local_evaluations_epis
     assert remote["version"] == remote["last_version"] == 7  # the weights the inference actor searched with
     assert 0 < remote["steps"] <= 60
     assert not np.isnan(remote["mean"])
+
+
+def _mountain_car_worker():
+    env_cfg = EnvConfig(id="MountainCar-v0")  # 200 steps an episode under a policy that has not learned
+    model_cfg = ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=5)
+    search_cfg = SearchConfig(num_simulations=8)
+    spec = env_spec(env_cfg)
+    model = build_model(model_cfg, spec.observation_shape, spec.num_actions)
+    return (env_cfg, model_cfg, search_cfg), (1, model.state_dict())
+
+
+def test_a_cancelled_evaluation_plays_no_further_and_says_so():
+    """A token cancelled before its evaluation starts: no step is played; another token plays whole episodes."""
+    args, weights = _mountain_car_worker()
+    worker = EvalWorker(*args, 0.99)
+    worker.cancel(5)
+    cancelled = worker.evaluate(weights, 2, 1000, seed=0, token=5)
+    assert cancelled["cancelled"] and cancelled["steps"] == 0 and cancelled["returns"] == [0.0, 0.0]
+    played = worker.evaluate(weights, 2, 1000, seed=0, token=6)
+    assert not played["cancelled"] and played["returns"] == [-200.0, -200.0]
+    assert worker.evaluate(weights, 2, 1000, seed=0, token=5)["returns"] == [-200.0, -200.0]  # used up
+
+
+def test_the_evaluation_actor_takes_a_cancel_while_it_plays():
+    """As the plan makes it (two threads), the actor ends an evaluation in play when cancelled: the run's end
+    does not wait for an evaluation whose result it would not use."""
+    import ray
+
+    from rayzero.cluster.plan import plan
+    from rayzero.config import load
+
+    args, weights = _mountain_car_worker()
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        options = plan(load("cartpole"), {"CPU": 2.0}).evaluation.actor_options()
+        actor = ray.remote(EvalWorker).options(**options).remote(*args, 0.99)
+        ref = actor.evaluate.remote(weights, 2, 1000, 0, 1)
+        ray.get(actor.cancel.remote(1))
+        result = ray.get(ref, timeout=60)
+    finally:
+        ray.shutdown()
+    assert result["cancelled"] and result["steps"] < 200

@@ -33,7 +33,7 @@ from rayzero.learner import checkpoint as ckpt
 from rayzero.ledger import TransitionLedger
 from rayzero.logs import logger
 from rayzero.replay.buffer import diagnostic_means
-from rayzero.schedule import COLLECT, LEARN, REANALYSE, Call, Counters, Rules, Schedule
+from rayzero.schedule import COLLECT, EVAL, LEARN, REANALYSE, Call, Counters, Rules, Schedule
 from rayzero.storage import RunStorage
 
 __all__ = ["Driver", "check_fresh", "check_resumable", "train"]
@@ -160,6 +160,7 @@ class Driver:
         # so that calls handed `weights` never wait for the learner.
         self.pending_weights: list[Any] = []
         self.eval_weights: Any = None  # the weights the evaluation in flight plays with
+        self.eval_token = 0  # names the evaluation in flight, so the run's end can cancel it
         self.solved_weights: Any = None  # the weights whose evaluation met run.stop_return
         self.failures: dict[tuple[str, int], int] = {}  # (role, index) -> failures in a row of restartable actors
         self.learner_version = 0  # of the weights the learner last published
@@ -305,6 +306,9 @@ class Driver:
                 self._log_progress(metrics, handles)
         if self.stop_reason == "interrupted":
             log.info("interrupted; finishing in-flight work, then a checkpoint and the summary")
+        if any(call.role == EVAL for call in self.pending.values()):
+            # The final evaluation plays the final weights; this one's result would not be used.
+            handles.evaluation.cancel.remote(self.eval_token)
         self._drain()
         if self.solved_weights is not None:
             # The learner ran on while the deciding evaluation played; keep the weights that met the bar,
@@ -344,8 +348,9 @@ class Driver:
             shard = handles.replay.actors[call.shard]
             return handles.reanalyse[call.index].reanalyse.remote(shard, self.weights, self.config.reanalyse.batch_size)
         self.eval_weights = self.weights
+        self.eval_token += 1
         return handles.evaluation.evaluate.remote(self.weights, run.eval_episodes, run.eval_max_steps,
-                                                  run.seed + 10_000)
+                                                  run.seed + 10_000, self.eval_token)
 
     def _record(self, ref: Any, call: Call, handles: cluster.Handles, metrics: MetricsLog) -> None:
         """Take in the result of a finished call."""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,12 +24,13 @@ def greedy(search_cfg: SearchConfig) -> SearchConfig:
 
 def play_episodes(
     env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int,
-    versions: list[int] | None = None,
+    versions: list[int] | None = None, stop: Callable[[], bool] | None = None,
 ) -> list[float]:
     """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns.
 
     A network with `whole_search` (the inference actor on a GPU) runs each step's search there, with the
-    weights it holds at that moment; `versions`, when given, receives the weight version of every step."""
+    weights it holds at that moment; `versions`, when given, receives the weight version of every step.
+    `stop`, asked before every step, ends the episodes where they are (their returns so far)."""
     env = make_vector_env(env_cfg, episodes, seed, training=False)
     config = greedy(search_cfg)
     generator = torch.Generator().manual_seed(seed)
@@ -38,6 +40,8 @@ def play_episodes(
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
         for _ in range(max_steps):
+            if stop is not None and stop():
+                break
             if remote:
                 answer = network.search(obs, config.temperature, dirichlet_fraction=config.dirichlet_fraction,
                                         gumbel_scale=config.gumbel_scale)
@@ -58,7 +62,8 @@ def play_episodes(
 
 
 class EvalWorker:
-    """Evaluates published weights in its own process (a Ray actor made in cluster/)."""
+    """Evaluates published weights in its own process (a Ray actor made in cluster/, with two threads, so that
+    `cancel` reaches an evaluation while it plays)."""
 
     def __init__(self, env_cfg: EnvConfig, model_cfg: ModelConfig, search_cfg: SearchConfig, discount: float,
                  torch_threads: int = 1, server: Any = None):
@@ -73,21 +78,40 @@ class EvalWorker:
             self.network = RemoteNetwork(server, discount, f"eval-{os.getpid()}", whole_search=True)
         else:
             self.network = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
+        self._cancelled: set[int] = set()
+        self._lock = threading.Lock()
 
-    def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int) -> dict[str, Any]:
+    def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int,
+                 token: int | None = None) -> dict[str, Any]:
         """Greedy episodes with `weights`; through the inference actor, with the weights it holds while the
-        episodes play (the result's `version` is then the first step's, `last_version` the last step's)."""
+        episodes play (the result's `version` is then the first step's, `last_version` the last step's).
+        `token`: an id that `cancel` can name; a cancelled evaluation returns at once with `cancelled` true
+        (and its episodes' returns so far)."""
         version, state_dict = weights
         self.network.set_weights(state_dict)
         versions: list[int] = []
         start = time.perf_counter()
-        returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed, versions)
+
+        def stop() -> bool:
+            with self._lock:
+                return token is not None and token in self._cancelled
+
+        returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed, versions,
+                                stop)
         result = {"version": versions[0] if versions else version, "returns": returns,
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
-                  "seconds": time.perf_counter() - start, "steps": len(versions)}
+                  "seconds": time.perf_counter() - start, "steps": len(versions), "cancelled": stop()}
         if versions:
             result["last_version"] = versions[-1]
+        with self._lock:
+            self._cancelled.discard(token)
         return result
+
+    def cancel(self, token: int) -> None:
+        """End the evaluation `token` at its next step (the run's end does not wait for one whose result it
+        would not use); a token whose evaluation has not started yet is cancelled when it does."""
+        with self._lock:
+            self._cancelled.add(token)
 
 
 def record_gif(env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, path: str, max_steps: int,

@@ -164,7 +164,9 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         replay=Role(config.replay.shards or c.num_learners, c.replay_cpus, options={"max_restarts": -1}),
         learner=Role(c.num_learners, c.learner_cpus, learner_gpus, "cuda" if learner_gpus > 0 else "cpu"),
         selfplay=Role(num_selfplay, c.selfplay_cpus, envs=config.env.num_envs, options={"max_restarts": 0}),
-        evaluation=Role(1, c.eval_cpus, envs=config.run.eval_episodes, options={"max_restarts": -1}),
+        # Two threads: the run's end cancels an evaluation in play (EvalWorker.cancel).
+        evaluation=Role(1, c.eval_cpus, envs=config.run.eval_episodes,
+                        options={"max_restarts": -1, "max_concurrency": 2}),
         # The inference actor serves every self-play actor at once from its event loop: many calls in flight.
         inference=(Role(1, 1.0, inference_gpus, inference_device, options={"max_concurrency": 1000})
                    if mode == "central" else None),
