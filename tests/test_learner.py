@@ -837,6 +837,38 @@ def test_bad_unroll_loss_settings_are_refused_with_the_valid_range(field, value)
         LearnerConfig(**{field: value})
 
 
+@pytest.mark.parametrize("kind,obs_shape", [("mlp", (4,)), ("resnet", (12, 96, 96))])
+def test_latent_norm_minmax_scales_what_none_leaves_as_the_blocks_make_it(kind, obs_shape):
+    """The same weights: 'minmax' latents are the 'none' latents scaled per sample to [0, 1], after the
+    representation and after a dynamics step from the same latent."""
+    from rayzero.models import build_model
+    from rayzero.models.layers import scale_latent
+
+    cfg = dict(kind=kind, latent_dim=16, hidden=32, channels=8, support_size=5)
+    torch.manual_seed(0)
+    scaled = build_model(ModelConfig(**cfg), obs_shape, 3).eval()
+    raw = build_model(ModelConfig(**cfg, latent_norm="none"), obs_shape, 3).eval()
+    raw.load_state_dict(scaled.state_dict())
+    obs = torch.randint(0, 256, (4, *obs_shape)).float() if kind == "resnet" else torch.randn(4, *obs_shape) * 3
+    actions = torch.tensor([0, 1, 2, 1])
+    with torch.no_grad():
+        latent = scaled.represent(obs)
+        pairs = [(latent, raw.represent(obs)), (scaled.transition(latent, actions), raw.transition(latent, actions))]
+    for minmax, unscaled in pairs:
+        flat = minmax.flatten(1)
+        torch.testing.assert_close(flat.min(1).values, torch.zeros(4))
+        torch.testing.assert_close(flat.max(1).values, torch.ones(4))
+        assert not torch.allclose(unscaled.flatten(1).max(1).values, torch.ones(4))
+        torch.testing.assert_close(minmax, scale_latent(unscaled))
+
+
+def test_bad_latent_norm_is_refused_with_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"latent_norm='l2'.*'minmax' or 'none'"):
+        ModelConfig(latent_norm="l2")
+    with pytest.raises(ConfigError, match=r"latent_norm='none'.*transformer"):
+        ModelConfig(kind="transformer", latent_norm="none")
+
+
 def test_resnet_dynamics_tells_actions_apart_whose_codes_are_neighbours():
     """The reward depends on the action non-monotonically (1 for actions 2 and 4 of 6, 0 for the rest), as
     Pong's RIGHT/LEFT/RIGHTFIRE codes do. After 40 Adam steps the dynamics' reward head must be within 0.5 of

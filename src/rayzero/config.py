@@ -114,6 +114,9 @@ class ModelConfig:
     """EfficientZero's value prefix (mlp and resnet): an LSTM over the unrolled states predicts the sum of the
     rewards since the root (restarting every value_prefix_horizon steps) instead of each step's reward; the
     search reads a step's reward as the difference of consecutive prefixes."""
+    latent_norm: str = "minmax"
+    """How the mlp and resnet latents are scaled after representation and each dynamics step: 'minmax', each
+    sample's latent to [0, 1] (MuZero's); 'none', as the last block leaves it (LightZero's `state_norm=False`)."""
     lstm_hidden: int = 64
     """Hidden size of the value-prefix LSTM."""
     value_prefix_horizon: int = 5
@@ -135,6 +138,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check("model", self, [
             ("lstm_hidden", self.lstm_hidden >= 1, ">= 1"),
+            ("latent_norm", self.latent_norm in ("minmax", "none"), "'minmax' or 'none'"),
+            ("latent_norm", self.latent_norm == "minmax" or self.kind != "transformer",
+             "'minmax' with model.kind='transformer' (the knob is built for 'mlp' and 'resnet')"),
             ("value_prefix_horizon", self.value_prefix_horizon >= 1, ">= 1"),
             ("value_prefix", not (self.value_prefix and self.kind == "transformer"),
              "false with model.kind='transformer' (value prefix is built for 'mlp' and 'resnet')"),

@@ -39,6 +39,10 @@ class NetworkOutput(NamedTuple):
     reward_logits: torch.Tensor  # [B, 2S+1]
 
 
+def _unscaled(latent: torch.Tensor) -> torch.Tensor:
+    return latent
+
+
 class MuZeroNet(nn.Module):
     """Base: subclasses define represent(obs), dynamics(latent, action) -> (latent, reward_logits), predict(latent)."""
 
@@ -189,6 +193,7 @@ class MLPNet(MuZeroNet):
         bins = 2 * cfg.support_size + 1
         self.support_size = cfg.support_size
         self.num_actions = num_actions
+        self._norm = scale_latent if cfg.latent_norm == "minmax" else _unscaled
         self.latent_shape = (cfg.latent_dim,)
         self.representation = mlp([obs_dim, cfg.hidden, cfg.latent_dim])
         self.dynamics_trunk = mlp([cfg.latent_dim + num_actions, cfg.hidden, cfg.latent_dim])
@@ -206,11 +211,11 @@ class MLPNet(MuZeroNet):
             nn.init.zeros_(head[-1].bias)
 
     def represent(self, obs: torch.Tensor) -> torch.Tensor:
-        return scale_latent(self.representation(obs.flatten(1).float()))
+        return self._norm(self.representation(obs.flatten(1).float()))
 
     def transition(self, latent: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         one_hot = F.one_hot(action.long(), self.num_actions).to(latent.dtype)
-        return scale_latent(self.dynamics_trunk(torch.cat([latent, one_hot], dim=1)))
+        return self._norm(self.dynamics_trunk(torch.cat([latent, one_hot], dim=1)))
 
     def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         next_latent = self.transition(latent, action)
@@ -233,6 +238,7 @@ class ResNet(MuZeroNet):
         bins = 2 * cfg.support_size + 1
         self.support_size = cfg.support_size
         self.num_actions = num_actions
+        self._norm = scale_latent if cfg.latent_norm == "minmax" else _unscaled
         # Downsample x16: stride-2 conv, res, stride-2 conv, res, avgpool, res, avgpool.
         self.down = nn.Sequential(
             nn.Conv2d(in_channels, c // 2, 3, stride=2, padding=1, bias=False),
@@ -273,14 +279,14 @@ class ResNet(MuZeroNet):
 
     def represent(self, obs: torch.Tensor) -> torch.Tensor:
         x = obs.float() / 255.0
-        return scale_latent(self.repr_blocks(self.down(x)))
+        return self._norm(self.repr_blocks(self.down(x)))
 
     def transition(self, latent: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         batch, _, height, width = latent.shape
         planes = F.one_hot(action.long(), self.num_actions).to(latent.dtype).view(batch, -1, 1, 1)
         planes = planes.expand(batch, self.num_actions, height, width)
         x = F.relu(self.dyn_conv(torch.cat([latent, planes], dim=1)) + latent)
-        return scale_latent(self.dyn_blocks(x))
+        return self._norm(self.dyn_blocks(x))
 
     def dynamics(self, latent: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         next_latent = self.transition(latent, action)
