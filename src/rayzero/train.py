@@ -308,6 +308,7 @@ class Driver:
             log.info("interrupted; finishing in-flight work, then a checkpoint and the summary")
         if any(call.role == EVAL for call in self.pending.values()):
             # The final evaluation plays the final weights; this one's result would not be used.
+            log.info("cancelling the evaluation in play (the final one follows)")
             handles.evaluation.cancel.remote(self.eval_token)
         self._drain()
         if self.solved_weights is not None:
