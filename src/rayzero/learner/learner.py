@@ -89,6 +89,18 @@ _COMPILER_DIRS = tuple(str(Path(torch.__file__).parent / part)
                        for part in ("_dynamo", "_inductor", "cuda/graphs.py"))
 
 
+def avoid_miscompiles() -> None:
+    """Inductor settings the learner's step needs to be computed right. Mix-order reduction (on by default since
+    torch 2.10) dropped writes of fused backward reductions (pytorch/pytorch#193061, fixed by #193103): on an
+    H200 with torch 2.11 the compiled step's gradient norm was ~800 against eager's ~4 at batch 512, and jumped
+    between ~4 and ~190 at batch 128 (the consistency heads' BatchNorm and Linear backward; docs/benchmarks.md,
+    ninth session). Set in every process that compiles the step, so the compile cache keys agree."""
+    import torch._inductor.config as inductor
+
+    if hasattr(inductor.triton, "mix_order_reduction"):
+        inductor.triton.mix_order_reduction = False
+
+
 def is_compile_error(error: BaseException) -> bool:
     """Whether a failure of a compiled step is the compiler's (worth a plainer mode): one of torch.compile's
     exception types, or raised from inside dynamo, inductor or CUDA-graph capture. Out-of-memory errors and
@@ -212,6 +224,8 @@ class Learner:
         """The compile state: the modes to try (the first steps of each are watched, a failure moves to the next,
         then eager), and with learner.background_compile eager until the helper process has filled the cache."""
         cfg = self.cfg
+        if use_compile:
+            avoid_miscompiles()
         # The inner loss module is what gets compiled, so the graph (and the compile cache entry it reuses across
         # processes) is the same with and without DDP; DDP reduces the gradients after the compiled backward.
         self._switch = _Switch(self.loss_module, None)
