@@ -965,3 +965,60 @@ def test_consistency_targets_computed_beforehand_give_the_same_updates():
         torch.testing.assert_close(w1[name], w2[name], rtol=1e-5, atol=1e-6, msg=name)
     with pytest.raises(ConfigError, match="consistency_targets"):
         LearnerConfig(consistency_targets="elsewhere")
+
+
+def _compiled_as(monkeypatch, wrap):
+    """torch.compile replaced by `wrap(fn)` for the step (the side steps run as they are)."""
+    def fake_compile(fn, **kwargs):
+        return wrap(fn) if isinstance(fn, torch.nn.Module) else fn
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+
+def test_a_compiled_step_with_wrong_gradients_is_dropped_and_its_updates_are_eager_ones(monkeypatch, caplog):
+    """A miscompile that gets the forward's scale of the gradients wrong (as inductor's mix-order reduction did
+    on the H200) is caught on the first compiled update, in each mode, and the learner goes on eagerly; every
+    update it made equals an eager learner's."""
+    def ten_times(module):
+        def step(batch):
+            loss, stats, priorities = module(batch)
+            return loss * 10.0, stats, priorities
+        return step
+
+    model, base, replay = _consistency_learners()
+    batches = [replay.sample(8) for _ in range(4)]
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    expected = [reference.step(b)[0]["loss"] for b in batches]
+    _compiled_as(monkeypatch, ten_times)
+    learner = Learner(model, LearnerConfig(**base, compile=True, compile_check_steps=3), (3, 16, 16), 3, seed=0)
+    with caplog.at_level("WARNING"):
+        losses = [learner.step(b)[0]["loss"] for b in batches]
+    assert losses == expected
+    warnings = [r.getMessage() for r in caplog.records if "computed a gradient norm" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # reduce-overhead, then default
+    assert "trying mode default" in warnings[0] and "training eagerly" in warnings[1]
+    assert learner.compile_state == "failed" and learner._switch.compiled is None
+    for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_compiled_step_that_follows_eager_stays_on_after_its_checks(monkeypatch, caplog):
+    model, base, replay = _consistency_learners()
+    batches = [replay.sample(8) for _ in range(5)]
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    expected = [reference.step(b)[0]["loss"] for b in batches]
+    calls = []
+
+    def counted(module):
+        def step(batch):
+            calls.append(1)
+            return module(batch)
+        return step
+
+    _compiled_as(monkeypatch, counted)
+    learner = Learner(model, LearnerConfig(**base, compile=True, compile_check_steps=3), (3, 16, 16), 3, seed=0)
+    with caplog.at_level("INFO"):
+        assert [learner.step(b)[0]["loss"] for b in batches] == expected
+    assert len(calls) == 5 and learner.compile_state.startswith("on:") and learner._check_steps == 0
+    assert "followed eager over 3 updates" in caplog.text
+    for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
+        assert torch.equal(a, b)

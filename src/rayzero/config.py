@@ -294,6 +294,12 @@ class LearnerConfig:
     once it is done the learner compiles from the warm cache (seconds, not the minutes of a cold compile) and
     goes on compiled. A single learner only (DDP ranks compile in step, as without it). If the helper fails the
     learner compiles in its own process, as without it."""
+    compile_check_steps: int = 8
+    """The first updates of each compiled mode also run eagerly, from the same state, and the compiled gradient
+    norm must be within 25 % of eager's; otherwise the learner logs both and falls back to the next mode (then
+    eager). Those updates apply the eager gradients. A guard against silent miscompiles: torch 2.11's inductor
+    gave a norm of ~800 against eager's ~4 (docs/benchmarks.md, ninth session). 0 turns it off; a DDP rank
+    never checks."""
     compile_side_steps: bool = True
     """Compile the no-grad computations the step's inputs need (the target network's bootstraps, the
     consistency targets) when the step is compiled; false runs them eagerly: a shorter first step (the
@@ -366,6 +372,7 @@ class LearnerConfig:
             ("device", self.device in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
             ("checkpoint_interval", self.checkpoint_interval >= 1, ">= 1"),
             ("compile_mode", self.compile_mode in COMPILE_MODES, f"one of {COMPILE_MODES}"),
+            ("compile_check_steps", self.compile_check_steps >= 0, ">= 0"),
             ("compile_backend", self.compile_backend in COMPILE_BACKENDS, f"one of {COMPILE_BACKENDS}"),
             ("prefetch", self.prefetch >= 0, ">= 0"),
             ("gather_threads", self.gather_threads >= 1, ">= 1"),

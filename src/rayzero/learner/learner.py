@@ -233,6 +233,8 @@ class Learner:
         self._modes = ([cfg.compile_mode] + fallback) if use_compile else []
         self._graphs = False
         self._watch_steps = 0
+        self._check_steps = 0  # compiled updates still to check against eager (learner.compile_check_steps)
+        self._check_enabled = not distributed
         self.compile_state = "off"  # "pending:<mode>", then "on:<mode>", or "failed"; "background" before those
         # With learner.background_compile: eager until the helper process has filled the compile cache.
         self._background = use_compile and cfg.background_compile and not distributed
@@ -296,6 +298,7 @@ class Learner:
         self._graphs = (mode == "reduce-overhead" and self.device.type == "cuda"
                         and self.cfg.compile_backend == "inductor")
         self._watch_steps = 3  # compilation, then CUDA-graph warm-up and recording, happen in the first steps
+        self._check_steps = self.cfg.compile_check_steps if self._check_enabled else 0
         self.compile_state = f"pending:{mode}"
 
     # -- background compile ----------------------------------------------------------------------------
@@ -368,6 +371,7 @@ class Learner:
                                 enabled=cfg.bf16 and self.device.type == "cuda"):
                 targets = self._consistency_targets(tensors["next_obs"])
             tensors = {**{k: v for k, v in tensors.items() if k != "next_obs"}, "consistency_targets": targets}
+        before = self._check_point() if self._check_steps and self._switch.compiled is not None else None
         while True:
             if not self._watch_steps:
                 loss, stats, priorities = self._loss_and_backward(tensors)
@@ -387,6 +391,8 @@ class Learner:
             if not self._watch_steps:
                 self.compile_state = "on:" + self.compile_state.split(":", 1)[1]
             break
+        if before is not None and self._switch.compiled is not None:
+            loss, stats, priorities = self._check_against_eager(tensors, before)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.world_size > 1 and cfg.grad_sync == "flat":
             self._all_reduce_flat(params)
@@ -406,6 +412,44 @@ class Learner:
         self.steps += 1
         self.samples += len(tensors["weights"]) * self.world_size
         return priorities, metrics
+
+    def _check_point(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """What a step changes besides the gradients: the BatchNorm statistics, and the RNG (augmentation)."""
+        buffers = [b.detach().clone() for b in self.loss_module.buffers()]
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return buffers, torch.get_rng_state(), cuda_rng
+
+    def _check_against_eager(self, tensors: dict[str, torch.Tensor],
+                             before: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]
+                             ) -> tuple[torch.Tensor, ...]:
+        """The compiled step has left its gradients: rerun the step eagerly from the state before it, compare the
+        gradient norms, and keep the eager outputs and gradients. A mismatch moves to the next compile mode."""
+        params = [p for p in self.loss_module.parameters() if p.grad is not None]
+        compiled_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item()
+        buffers, cpu_rng, cuda_rng = before
+        with torch.no_grad():
+            for buffer, saved in zip(self.loss_module.buffers(), buffers):
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, self.device)
+        use_bf16 = self.cfg.bf16 and self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            loss, stats, priorities = self.loss_module(tensors)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for p in self.loss_module.parameters() if p.grad is not None]
+        eager_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item()
+        self._check_steps -= 1
+        mode = self.compile_state.split(":")[-1]
+        if not (math.isfinite(compiled_norm) and abs(compiled_norm - eager_norm) <= 0.25 * eager_norm + 1e-6):
+            log.warning(f"the compiled step ({mode}) computed a gradient norm of {compiled_norm:.4g} where eager "
+                        f"computes {eager_norm:.4g} on the same batch (update {self.steps}); "
+                        f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}")
+            self._next_compile_mode()
+        elif not self._check_steps:
+            log.info(f"the compiled step ({mode}) followed eager over {self.cfg.compile_check_steps} updates")
+        return loss, stats, priorities
 
     def _all_reduce_flat(self, params: list[torch.Tensor]) -> None:
         """Average the gradients over the ranks with one all-reduce of one packed buffer (learner.grad_sync)."""
