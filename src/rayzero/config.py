@@ -469,6 +469,10 @@ class ClusterConfig:
     """CPUs reserved for the replay actor (0: it mostly waits)."""
     inference_gpus: float = 0.0
     """GPUs for the central inference actor."""
+    colocate_learner: bool = False
+    """Run the learner inside the central inference actor's process (cluster/colocated.py): one CUDA context,
+    with the learner on a stream of its own, instead of two processes taking turns on the GPU. One learner, and
+    central inference, only. The actor gets both roles' CPUs and GPUs."""
     eval_cpus: float = 0.0
     """CPUs reserved for the evaluation actor."""
     num_reanalyse_workers: int = 1
@@ -497,6 +501,8 @@ class ClusterConfig:
             ("learner_cpus", self.learner_cpus >= 0, ">= 0"),
             ("learner_gpus", self.learner_gpus >= 0, ">= 0"),
             ("num_learners", self.num_learners >= 1, ">= 1"),
+            ("colocate_learner", not self.colocate_learner or self.num_learners == 1,
+             "false with cluster.num_learners > 1 (the learner in the inference actor is a single one)"),
             ("replay_cpus", self.replay_cpus >= 0, ">= 0"),
             ("inference_gpus", self.inference_gpus >= 0, ">= 0"),
             ("eval_cpus", self.eval_cpus >= 0, ">= 0"),

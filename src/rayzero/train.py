@@ -480,6 +480,9 @@ class Driver:
             return  # alive: this report came from an actor that was still on a replaced one
         except ray.exceptions.RayActorError:
             pass
+        if handles.plan.colocated:
+            raise RuntimeError(f"the inference actor died, and the learner inside it (cluster.colocate_learner; "
+                               f"self-play actor {index}: {reason}); resume the run from its last checkpoint")
         log.warning("the inference actor died (self-play actor %d: %s); starting a new one", index, reason)
         handles.inference = cluster.make_inference(self.config, self.spec, handles.plan)
         self.faults["inference_actors_replaced"] += 1

@@ -13,6 +13,7 @@ from rayzero.actors.evaluate import EvalWorker
 from rayzero.actors.network import RemoteNetwork
 from rayzero.actors.reanalyse import ReanalyseWorker
 from rayzero.actors.selfplay import SelfPlayWorker
+from rayzero.cluster.colocated import ColocatedLearner, LearnerHandle
 from rayzero.cluster.plan import Plan, plan
 from rayzero.config import ClusterConfig, Config, ConfigError
 from rayzero.envs import EnvSpec
@@ -156,16 +157,38 @@ class _RemoteReplay(ReplayBuffer):
                 "restored_total_added": self.restored_total_added}
 
 
+def _inference_args(config: Config, spec: EnvSpec, p: Plan) -> tuple[tuple, dict[str, Any]]:
+    assert p.inference is not None
+    inference_cfg = dataclasses.replace(config.inference, device=p.inference.device)
+    return ((config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
+             p.inference.torch_threads(config.cluster.torch_threads)),
+            {"obs_dtype": spec.observation_dtype, "search_cfg": config.search, "discount": config.replay.discount})
+
+
 def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:
     """The central inference actor (None when inference is local to each self-play actor)."""
     if p.inference is None:
         return None
-    inference_cfg = dataclasses.replace(config.inference, device=p.inference.device)
-    return ray.remote(InferenceServer).options(**p.inference.actor_options()).remote(
-        config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
-        p.inference.torch_threads(config.cluster.torch_threads), obs_dtype=spec.observation_dtype, search_cfg=config.search,
-        discount=config.replay.discount,
-    )
+    args, kwargs = _inference_args(config, spec, p)
+    return ray.remote(InferenceServer).options(**p.inference.actor_options()).remote(*args, **kwargs)
+
+
+def colocated_options(p: Plan) -> dict[str, Any]:
+    """The `ColocatedLearner` actor's options: the inference actor's, with the learner's CPUs and GPUs added."""
+    assert p.inference is not None
+    options = p.inference.actor_options()
+    options["num_cpus"] = p.inference.cpus + p.learner.cpus
+    options["num_gpus"] = p.inference.gpus + p.learner.gpus
+    return options
+
+
+def make_colocated(config: Config, spec: EnvSpec, p: Plan) -> tuple[LearnerHandle, Any]:
+    """(learner handle, inference actor) of one `ColocatedLearner` actor with both roles' CPUs and GPUs."""
+    learner_cfg = dataclasses.replace(config.learner, device=p.learner.device)
+    learner_args = (config.model, learner_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
+                    config.cluster.torch_threads)
+    actor = ray.remote(ColocatedLearner).options(**colocated_options(p)).remote(*_inference_args(config, spec, p), learner_args)
+    return LearnerHandle(actor), actor
 
 
 def build(config: Config, spec: EnvSpec, p: Plan | None = None, run_dir: str | None = None) -> Handles:
@@ -174,8 +197,11 @@ def build(config: Config, spec: EnvSpec, p: Plan | None = None, run_dir: str | N
     p = p or plan(config, ray.cluster_resources())
     c, seed = config.cluster, config.run.seed
     replay = make_replay(config, p, run_dir)
-    learner = build_learner_group(config, spec, p)
-    inference = make_inference(config, spec, p)
+    if p.colocated:
+        learner, inference = make_colocated(config, spec, p)
+    else:
+        learner = build_learner_group(config, spec, p)
+        inference = make_inference(config, spec, p)
     # On a GPU, evaluation searches through the inference actor, as self-play does.
     evaluation = ray.remote(EvalWorker).options(**p.evaluation.actor_options()).remote(
         config.env, config.model, config.search, config.replay.discount,

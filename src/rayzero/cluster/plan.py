@@ -81,6 +81,9 @@ class Plan:
     CUDA-graph replays. Otherwise self-play drives the search and asks for network steps."""
     autoscaler_bundles: tuple[dict[str, float], ...] = ()
     """Bundles asked of the autoscaler at start (cluster.request_resources)."""
+    colocated: bool = False
+    """The learner runs inside the inference actor's process (cluster.colocate_learner): one actor with both
+    roles' CPUs and GPUs."""
 
     def roles(self) -> dict[str, Role]:
         named = {"replay": self.replay, "learner": self.learner, "selfplay": self.selfplay,
@@ -93,6 +96,8 @@ class Plan:
         for name, role in self.roles().items():
             lines.append(f"{name:<11} {role.count:>5d} {role.cpus:>5g} {role.gpus:>5g} {role.device:>6} "
                          f"{role.envs or '-':>5}")
+        if self.colocated:
+            lines.append("(the learner runs inside the inference actor's process: cluster.colocate_learner)")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -156,6 +161,10 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     if share:
         inference_gpus = 1.0 - SHARED_GPU_LEARNER
     inference_device = "cuda" if inference_gpus > 0 else "cpu"
+    if c.colocate_learner and mode != "central":
+        raise ConfigError(f"cluster.colocate_learner=true needs central inference, but inference is {mode!r} here "
+                          f"(inference.mode={config.inference.mode!r}, {gpus:g} GPUs): set inference.mode=central "
+                          "or cluster.colocate_learner=false")
     # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
     num_selfplay = max(selfplay_actors(config, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
@@ -176,4 +185,5 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         learner_group=learner_ranks(c.num_learners, c.learner_cpus, learner_gpus) if c.num_learners > 1 else None,
         whole_search=mode == "central" and inference_device == "cuda" and config.search.device != "cpu",
         autoscaler_bundles=tuple({"CPU": c.selfplay_cpus} for _ in range(num_selfplay)) if c.request_resources else (),
+        colocated=c.colocate_learner,
     )

@@ -1,0 +1,68 @@
+"""The learner inside the inference actor's process (`cluster.colocate_learner`): one CUDA context on a host's
+only GPU instead of two.
+
+Two processes on one GPU take turns on it (time slices), so the learner's step waited whenever a search batch
+ran, and the other way round. In one process their kernels go to separate CUDA streams and can run side by
+side. The inference server keeps its event loop and threads; every learner call runs in one thread of its own
+(with its own stream), so a training call never blocks the batcher. The driver keeps two handles: the actor as
+the inference actor, and a `LearnerHandle` that turns `learner.train.remote(...)` into the actor's
+`learner_call`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+from typing import Any
+
+import torch
+
+from rayzero.inference.server import InferenceServer
+from rayzero.learner import Learner
+
+__all__ = ["ColocatedLearner", "LearnerHandle"]
+
+
+class ColocatedLearner(InferenceServer):
+    """An inference server that also hosts the run's learner (a single learner, no DDP)."""
+
+    def __init__(self, inference_args: tuple, inference_kwargs: dict[str, Any], learner_args: tuple):
+        super().__init__(*inference_args, **inference_kwargs)
+        self._learner_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+        self.learner: Learner = self._learner_thread.submit(self._make_learner, learner_args).result()
+
+    @staticmethod
+    def _make_learner(learner_args: tuple) -> Learner:
+        """In the learner thread: its CUDA work goes to a stream of its own, beside the inference streams."""
+        if learner_args[1].device != "cpu" and torch.cuda.is_available():
+            torch.cuda.set_stream(torch.cuda.Stream())  # before the learner's first CUDA work
+        return Learner(*learner_args)
+
+    async def learner_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`Learner.<method>(*args, **kwargs)` in the learner thread (calls run one at a time, in order)."""
+        if method.startswith("_") or not callable(getattr(self.learner, method, None)):
+            raise AttributeError(f"learner_call: {method!r} is not a method of the learner")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._learner_thread,
+                                          functools.partial(getattr(self.learner, method), *args, **kwargs))
+
+
+class _Method:
+    def __init__(self, actor: Any, name: str):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.actor.learner_call.remote(self.name, *args, **kwargs)
+
+
+class LearnerHandle:
+    """The learner role's handle on a `ColocatedLearner` actor: `handle.train.remote(...)` and the rest, as on a
+    `Learner` actor."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self.actor, name)

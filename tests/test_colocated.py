@@ -1,0 +1,47 @@
+"""The learner inside the inference actor's process (cluster.colocate_learner, cluster/colocated.py)."""
+
+import json
+
+import pytest
+
+from rayzero import cluster
+from rayzero import config as config_lib
+from rayzero.cluster.build import colocated_options
+from rayzero.config import ConfigError
+from test_train import SMALL, rayzero
+
+
+def test_one_gpu_host_gets_one_actor_with_the_whole_gpu_for_the_learner_and_inference():
+    cfg = config_lib.load("atari", ["cluster.colocate_learner=true"])
+    plan = cluster.plan(cfg, {"CPU": 16.0, "GPU": 1.0})
+    assert plan.colocated and plan.whole_search
+    assert plan.learner.gpus + plan.inference.gpus == 1.0
+    options = colocated_options(plan)
+    assert options["num_gpus"] == 1.0 and options["num_cpus"] == plan.inference.cpus + plan.learner.cpus
+    assert options["max_concurrency"] == 1000  # the inference server's many calls in flight
+    assert "inside the inference actor" in plan.table()
+    assert not cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 1.0}).colocated
+
+
+def test_colocation_without_a_central_inference_actor_or_with_learner_ranks_is_a_config_error():
+    local = config_lib.load("cartpole", ["cluster.colocate_learner=true"])  # a laptop: inference is local
+    with pytest.raises(ConfigError, match=r"colocate_learner=true needs central inference.*'local'"):
+        cluster.plan(local, {"CPU": 2.0})
+    with pytest.raises(ConfigError, match=r"colocate_learner.*num_learners > 1"):
+        config_lib.load("cartpole", ["cluster.colocate_learner=true", "cluster.num_learners=2"])
+
+
+@pytest.mark.slow
+def test_a_colocated_run_trains_serves_self_play_and_resumes(tmp_path):
+    """On a real local Ray (CPU): the learner trains through the colocated actor while it serves self-play's
+    network calls, checkpoints, and a resumed run loads the checkpoint into it."""
+    colocated = ["inference.mode=central", "cluster.colocate_learner=true", "cluster.num_cpus=3", *SMALL]
+    rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "run.max_learner_steps=30", *colocated)
+    first = json.loads((tmp_path / "summary.json").read_text())
+    assert first["learner_steps"] >= 30 and first["env_steps"] > 0
+    assert json.loads((tmp_path / "plan.json").read_text())["colocated"] is True
+    rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "--resume", "run.max_learner_steps=60",
+            *colocated)
+    second = json.loads((tmp_path / "summary.json").read_text())
+    assert second["learner_steps"] == first["learner_steps"] + second["learner_steps_this_run"]
+    assert second["learner_steps_this_run"] > 0 and second["env_steps_this_run"] > 0
