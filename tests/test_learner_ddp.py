@@ -180,6 +180,42 @@ def test_reanalyse_worker_writes_the_latest_network_targets(ray_session, tmp_pat
     ray.kill(replay)
 
 
+def test_reanalyse_through_the_inference_actor_gives_the_targets_of_the_weights_it_serves(ray_session, tmp_path):
+    """With a server (one-GPU hosts), a reanalyse batch is one whole search on the inference actor, with the
+    weights the inference actor serves: the same targets as a local worker's with those weights."""
+    from rayzero.actors.reanalyse import ReanalyseWorker
+    from rayzero.config import InferenceConfig
+    from rayzero.inference.server import InferenceServer
+    from rayzero.tree import SearchConfig
+
+    search_cfg = SearchConfig(num_simulations=8, dirichlet_fraction=0.0)
+    server = ray.remote(InferenceServer).options(num_cpus=0, max_concurrency=100).remote(
+        MODEL, InferenceConfig(device="cpu", max_batch=64, min_bucket=4, bf16=False), (4,), 2, 0,
+        search_cfg=search_cfg, discount=0.9)
+    # Random weights: a fresh network's output layers start at zero, and every search would give the same answer.
+    generator = torch.Generator().manual_seed(0)
+    weights = (7, {k: v + 0.5 * torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
+                   for k, v in Learner(MODEL, LEARNER, (4,), 2, seed=1).weights()[1].items()})
+    ray.get(server.set_weights.remote(*weights))
+    replay = ray.remote(ReplayBuffer).options(num_cpus=0).remote(REPLAY, 0)
+    ray.get([replay.add.remote(s) for s in segments(seed=3)])
+    worker = ray.remote(ReanalyseWorker).options(num_cpus=0).remote(MODEL, search_cfg, 0.9, (4,), 2, 0, server=server)
+    result = ray.get(worker.reanalyse.remote(replay, (3, {}), 32))  # the weights handed in are not used
+    assert result["positions"] == 32 and result["updated"] == 32 and result["version"] == 7
+    ray.get(replay.snapshot.remote(str(tmp_path / "after.npz")))
+    local = ReanalyseWorker(MODEL, search_cfg, 0.9, (4,), 2, 0)
+    local.set_weights(*weights)
+    with np.load(tmp_path / "after.npz") as after:
+        reanalysed = np.flatnonzero(after["alive"])[:64]
+        remote_policies, remote_values = ray.get(worker.targets.remote(after["obs"][reanalysed]))
+        policies, values = local.targets(after["obs"][reanalysed])
+    assert np.ptp(policies, axis=0).max() > 0.05  # the positions' targets differ: a real comparison
+    np.testing.assert_allclose(remote_policies, policies, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(remote_values, values, rtol=1e-5, atol=1e-5)
+    for actor in (worker, replay, server):
+        ray.kill(actor)
+
+
 @pytest.mark.parametrize("manual", [True, False])
 def test_manual_gc_keeps_the_collector_out_of_train_calls(ray_session, manual):
     import gc

@@ -119,3 +119,14 @@ def test_actors_run_at_most_as_many_torch_threads_as_the_cpus_they_reserve():
     four = cluster.Role(1, 4.0)
     assert (four.torch_threads(3), four.torch_threads(6), four.torch_threads(1)) == (3, 4, 1)
     assert cluster.Role(1, 0.5).torch_threads(4) == 1
+
+
+def test_reanalyse_on_a_one_gpu_host_searches_on_the_inference_actor_unless_it_has_a_gpu_share():
+    shared = cluster.plan(host_atari(["reanalyse.fraction=0.25"]), {"CPU": 16.0, "GPU": 1.0})
+    assert shared.reanalyse is not None and shared.reanalyse.gpus == 0 and shared.reanalyse_on_inference
+    pinned = cluster.plan(host_atari(["reanalyse.fraction=0.25", "cluster.reanalyse_gpus=0.1",
+                                      "cluster.learner_gpus=0.45", "cluster.inference_gpus=0.45",
+                                      "inference.mode=central"]), {"CPU": 16.0, "GPU": 1.0})
+    assert pinned.reanalyse.gpus == 0.1 and not pinned.reanalyse_on_inference
+    laptop = cluster.plan(config_lib.load("cartpole", ["reanalyse.fraction=0.25"]), {"CPU": 2.0})
+    assert not laptop.reanalyse_on_inference  # no whole searches: the worker runs its own network

@@ -487,7 +487,7 @@ class Driver:
         handles.inference = cluster.make_inference(self.config, self.spec, handles.plan)
         self.faults["inference_actors_replaced"] += 1
         self._publish(handles, wait=True)
-        for actor in self.actors.values():
+        for actor in [*self.actors.values(), handles.evaluation, *handles.reanalyse]:
             actor.set_inference.remote(handles.inference)
 
     def _drain(self) -> None:

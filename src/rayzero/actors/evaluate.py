@@ -82,6 +82,11 @@ class EvalWorker:
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
 
+    def set_inference(self, server: Any) -> None:
+        """Search through `server` from now on (the driver made a new inference actor after one died)."""
+        if isinstance(self.network, RemoteNetwork):
+            self.network = RemoteNetwork(server, self.network.discount, self.network.client_id, whole_search=True)
+
     def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int,
                  token: int | None = None) -> dict[str, Any]:
         """Greedy episodes with `weights`; through the inference actor, with the weights it holds while the

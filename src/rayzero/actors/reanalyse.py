@@ -9,18 +9,23 @@ targets directly, the value targets through the n-step bootstrap (the stored sea
 with a target network, learner.target_update_interval > 0, the bootstrap comes from the learner instead and
 reanalyse refreshes the policy targets).
 
+With a `server` (the inference actor, when it runs whole searches on a GPU) the worker holds no network: each
+batch is one whole search there, with the weights the inference actor serves, batched with self-play's searches
+of the same settings, so that reanalyse on a one-GPU host needs no GPU share of its own.
+
 The driver keeps `reanalyse.fraction` positions re-searched per sample trained on (see schedule.py).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from rayzero.actors.network import LocalNetwork
+from rayzero.actors.network import LocalNetwork, RemoteNetwork
 from rayzero.config import ModelConfig
 from rayzero.logs import logger
 from rayzero.models import build_model
@@ -32,12 +37,16 @@ log = logger(__name__)
 class ReanalyseWorker:
     def __init__(self, model_cfg: ModelConfig, search_cfg: SearchConfig, discount: float,
                  obs_shape: tuple[int, ...], num_actions: int, seed: int = 0, torch_threads: int = 1,
-                 device: str = "cpu"):
+                 device: str = "cpu", server: Any = None):
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.search_cfg = search_cfg
-        self.network = LocalNetwork(build_model(model_cfg, obs_shape, num_actions).to(self.device), discount)
+        self.remote: RemoteNetwork | None = None
+        if server is not None:
+            self.remote = RemoteNetwork(server, discount, f"reanalyse-{os.getpid()}", whole_search=True)
+        else:
+            self.network = LocalNetwork(build_model(model_cfg, obs_shape, num_actions).to(self.device), discount)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = -1
         # On CUDA, one whole search per batch size is captured as a CUDA graph (tree/capture.py) and replayed;
@@ -45,7 +54,14 @@ class ReanalyseWorker:
         self.captured: dict[int, Any] = {}
         self.capture_error: str | None = None
 
+    def set_inference(self, server: Any) -> None:
+        """Search through `server` from now on (the driver made a new inference actor after one died)."""
+        if self.remote is not None:
+            self.remote = RemoteNetwork(server, self.remote.discount, self.remote.client_id, whole_search=True)
+
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
+        if self.remote is not None:
+            return self.version  # the inference actor's weights are the ones searched with
         self.network.set_weights(state_dict)
         self.version = version
         return version
@@ -70,6 +86,10 @@ class ReanalyseWorker:
 
     def targets(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(policies [B, A], root values [B]) of one batched search from observations [B, ...]."""
+        if self.remote is not None:
+            answer = self.remote.search(obs, self.search_cfg.temperature)
+            self.version = int(answer["version"])
+            return (np.asarray(answer["action_weights"], np.float32), np.asarray(answer["root_value"], np.float32))
         root = self.network.root(obs)
         captured = self._captured(root)
         if captured is not None:
@@ -85,7 +105,7 @@ class ReanalyseWorker:
         import ray
 
         start = time.perf_counter()
-        if weights is not None and weights[0] != self.version:
+        if weights is not None and weights[0] != self.version and self.remote is None:
             self.set_weights(*weights)
         job = ray.get(replay.sample_positions.remote(count))
         if job is None:

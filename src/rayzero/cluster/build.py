@@ -217,7 +217,8 @@ def build(config: Config, spec: EnvSpec, p: Plan | None = None, run_dir: str | N
         reanalyse = [
             ray.remote(ReanalyseWorker).options(**p.reanalyse.actor_options()).remote(
                 config.model, config.search, config.replay.discount, spec.observation_shape, spec.num_actions,
-                seed * 1000 + 500 + i, p.reanalyse.torch_threads(c.torch_threads), p.reanalyse.device)
+                seed * 1000 + 500 + i, p.reanalyse.torch_threads(c.torch_threads), p.reanalyse.device,
+                server=inference if p.reanalyse_on_inference else None)
             for i in range(p.reanalyse.count)
         ]
     return Handles(replay, learner, selfplay, evaluation, inference, p, reanalyse)

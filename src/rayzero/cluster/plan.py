@@ -81,6 +81,9 @@ class Plan:
     CUDA-graph replays. Otherwise self-play drives the search and asks for network steps."""
     autoscaler_bundles: tuple[dict[str, float], ...] = ()
     """Bundles asked of the autoscaler at start (cluster.request_resources)."""
+    reanalyse_on_inference: bool = False
+    """Reanalyse searches run as whole searches on the inference actor (its GPU), not on a network of their own:
+    with whole searches and no GPU share pinned for reanalyse (cluster.reanalyse_gpus)."""
     colocated: bool = False
     """The learner runs inside the inference actor's process (cluster.colocate_learner): one actor with both
     roles' CPUs and GPUs."""
@@ -186,4 +189,6 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         whole_search=mode == "central" and inference_device == "cuda" and config.search.device != "cpu",
         autoscaler_bundles=tuple({"CPU": c.selfplay_cpus} for _ in range(num_selfplay)) if c.request_resources else (),
         colocated=c.colocate_learner,
+        reanalyse_on_inference=(config.reanalyse.fraction > 0 and c.reanalyse_gpus == 0 and mode == "central"
+                                and inference_device == "cuda" and config.search.device != "cpu"),
     )
