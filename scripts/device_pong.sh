@@ -22,4 +22,6 @@ for f in metrics.jsonl summary.json learning_curve.png plan.json; do cp "/tmp/$n
 python3 scripts/lab_row.py "/tmp/$name" --dmon "$out/dmon.txt" --at "120,300,$limit"
 [ "${PROBE:-1}" = 1 ] && timeout 90 python3 scripts/search_probe.py --checkpoint "/tmp/$name" --device "${PROBE_DEVICE:-cuda}" --envs 16 --steps 200 --every 20 \
     --json "$out/probe.json" 2>&1 | grep -v "A.L.E\|Stella"
+# What the log says about the compiled step (the compile check, learner.compile_check_steps) and the helper.
+grep -h "compiled step\|helper compiled\|helper process failed\|torch.compile" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | head -6
 tail -2 "$out/train.log"
