@@ -5,8 +5,10 @@
 # fails. Each variant is scripts/consistency_probe.py, compiled, under one time limit for all. Ninth session: the
 # compiled norms were ~800 (batch 512) and jumped between 4 and 190 (batch 128), eager ~4; the learner now turns
 # inductor's mix-order reduction off (learner.avoid_miscompiles). This call checks that fix, and runs the GPU test.
+# The probes print the compiled step's own norms (learner.compile_check_steps=0), except cache512_checked, whose
+# log says whether the compile check found the compiled step off eager's.
 #
-#   source .device/install.sh && bash scripts/device_bisect3.sh      # ~6 minutes; logs under $OUT
+#   source .device/install.sh && bash scripts/device_bisect3.sh      # ~3 minutes; logs under $OUT
 set -u
 out=${OUT:-/tmp/device_bisect3}
 mkdir -p "$out"
@@ -14,18 +16,21 @@ limit=${LIMIT:-330}
 run() {
     local name=$1
     shift
-    timeout "$limit" python3 scripts/consistency_probe.py --device cuda --steps 12 --every 1 "$@" learner.background_compile=false \
-        > "$out/probe_$name.txt" 2>&1 &
+    timeout "$limit" python3 scripts/consistency_probe.py --device cuda --steps 12 --every 1 "$@" \
+        learner.background_compile=false "learner.compile_check_steps=${CHECK:-0}" > "$out/probe_$name.txt" 2>&1 &
 }
 run cache512 --compile --batch 512 --path cache
 run cache256 --compile --batch 256 --path cache
 run noise128 --compile --batch 128 --path direct --frames noise
 run eager512 --batch 512 --path cache
+CHECK=8 run cache512_checked --compile --batch 512 --path cache
 timeout "$limit" python3 -m pytest -q -x tests/test_learner_gpu.py -k consistency > "$out/pytest_gpu.txt" 2>&1 &
 wait
 tail -3 "$out/pytest_gpu.txt"
 for f in "$out"/probe_*.txt; do
     echo "== $(basename "$f" .txt)"
-    grep "step " "$f" | sed 's/^.*: step/step/' | awk '{printf "%s:%s/%s ", $2, $4, $6} END {print ""}'
+    grep "step " "$f" | grep -v "compiled step" | sed 's/^.*: step/step/' \
+        | awk '{printf "%s:%s/%s ", $2, $4, $6} END {print ""}'
     grep -m1 "Error" "$f"
+    grep -h "compiled step" "$f" | sed 's/^.*rayzero/rayzero/'
 done
