@@ -61,18 +61,19 @@ class _FakeGraph:
 
 
 class _FakeCapturedSearch:
-    def __init__(self, recurrent_fn, example_root, num_simulations, config, pool=None, generator=None):
+    def __init__(self, recurrent_fn, example_root, num_simulations, config, pool=None, generator=None,
+                 per_row=False):
         from rayzero.tree import RootOutput
 
         self.fn, self.n, self.config = recurrent_fn, num_simulations, config
         self.root = RootOutput(*(t.clone() for t in example_root))
 
-    def __call__(self, root, invalid_actions=None, generator=None):
+    def __call__(self, root, invalid_actions=None, generator=None, noise=None):
         from rayzero.tree import search
 
         for dst, src in zip(self.root, root):
             dst.copy_(src)
-        return search(self.root, self.fn, self.n, self.config, invalid_actions, generator=generator)
+        return search(self.root, self.fn, self.n, self.config, invalid_actions, generator=generator, noise=noise)
 
 
 @pytest.fixture

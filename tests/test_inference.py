@@ -557,6 +557,37 @@ def test_whole_search_requests_match_a_direct_search():
         asyncio.run(srv.search("e", obs[1], np.ones((2, 3), bool)))
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_greedy_searches_join_self_plays_batch_and_still_search_greedily(merge):
+    """inference.merge_searches: an evaluation's greedy search (no root noise, argmax of visits) and self-play's
+    noisy one share one batch; the greedy rows get what a greedy search of their own gives."""
+    from rayzero.actors.network import LocalNetwork
+    from rayzero.tree import SearchConfig, search
+
+    search_cfg = SearchConfig(num_simulations=12, dirichlet_fraction=0.25, temperature=1.0, cpu_backend="torch")
+    srv = InferenceServer(MODEL, InferenceConfig(device="cpu", max_batch=64, min_bucket=4, merge_searches=merge),
+                          (4,), 3, search_cfg=search_cfg, discount=0.99)
+    _randomize(srv.model)
+    rng = np.random.default_rng(0)
+    obs = [rng.normal(size=(n, 4)).astype(np.float32) for n in (5, 3)]
+
+    async def go():
+        return await asyncio.gather(srv.search("selfplay", obs[0], temperature=1.0),
+                                    srv.search("eval", obs[1], temperature=0.0, dirichlet_fraction=0.0,
+                                               gumbel_scale=0.0))
+
+    played, greedy = asyncio.run(go())
+    batches = sum(m["count"] for name, m in srv.metrics.items() if name.startswith("search"))
+    assert batches == (1 if merge else 2)
+    evaluator = LocalNetwork(srv.model, 0.99)
+    greedy_cfg = dataclasses.replace(search_cfg, temperature=0.0, dirichlet_fraction=0.0)
+    ref = search(evaluator.root(obs[1]), evaluator.recurrent_fn, 12, greedy_cfg)
+    np.testing.assert_array_equal(greedy["visit_counts"], ref.visit_counts.numpy())
+    np.testing.assert_array_equal(greedy["action"], ref.visit_counts.numpy().argmax(-1))
+    np.testing.assert_allclose(greedy["root_value"], ref.root_value.numpy(), rtol=1e-5, atol=1e-6)
+    assert (played["visit_counts"].sum(1) == 12).all() and played["action"].shape == (5,)
+
+
 def test_image_server_checks_dtype_and_traces_its_timeline():
     cfg = ModelConfig(kind="resnet", channels=8, reduced_channels=2, head_hidden=8, support_size=5)
     srv = InferenceServer(cfg, InferenceConfig(device="cpu", max_batch=8, min_bucket=2), (3, 16, 16), 4)
@@ -592,7 +623,7 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
     srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=search_cfg, discount=0.99)
     runner = srv.runner
     assert runner.cuda and set(runner.graphs) == {(k, b) for k in ("initial", "recurrent") for b in (4, 8, 16)}
-    assert {b for b, _ in runner.searches} == {4, 8}
+    assert {key[0] for key in runner.searches} == {4, 8}
     _randomize(srv.model)
     model = srv.model
     rng = np.random.default_rng(0)

@@ -650,3 +650,42 @@ def test_max_nodes_and_bad_inputs(cpu_backend):
         search(root, bad_logits, 4)
     with pytest.raises(ValueError, match="noise.root"):
         search(root, fn, 4, noise=SearchNoise(root=torch.zeros(3, A)))
+
+
+@pytest.mark.parametrize("policy", ["muzero", "gumbel"])
+def test_per_row_settings_give_each_row_the_search_of_its_own_config(policy):
+    """A merged batch (the inference actor's `merge_searches`): rows with a noise fraction and a temperature of
+    their own get exactly the search that a config with those settings gives them alone."""
+    import dataclasses
+
+    A, B, n = 6, 4, 25
+    base = SearchConfig(policy=policy, temperature=1.0, dirichlet_fraction=0.25, gumbel_scale=1.0,
+                        max_num_considered_actions=4, cpu_backend="torch")
+    greedy = dataclasses.replace(base, temperature=0.0, dirichlet_fraction=0.0, gumbel_scale=0.0)
+    root = hash_root(B, A, seed=2)
+    noise = sample_noise(base, B, A, generator=torch.Generator().manual_seed(3))
+    row_noise = noise._replace(root_fraction=torch.tensor([1.0, 1.0, 0.0, 0.0]) * (1.0 if policy == "gumbel" else 0.25),
+                               temperature=torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    merged = search(root, hash_model(A), n, base, noise=row_noise)
+    differs = False
+    for b, cfg in ((0, base), (1, base), (2, greedy), (3, greedy)):
+        one = RootOutput(root.prior_logits[b : b + 1], root.value[b : b + 1], root.embedding[b : b + 1])
+        own = SearchNoise(*(x[b : b + 1] if x is not None else None for x in noise)) if cfg is base else None
+        alone = search(one, hash_model(A), n, cfg, noise=own)
+        assert alone.visit_counts[0].tolist() == merged.visit_counts[b].tolist(), b
+        assert alone.action.item() == merged.action[b].item(), b
+        torch.testing.assert_close(alone.action_weights[0], merged.action_weights[b], rtol=0, atol=0)
+        torch.testing.assert_close(alone.root_value[0], merged.root_value[b], rtol=0, atol=0)
+        if cfg is greedy:  # the noise the row was spared would have changed its search
+            noisy = search(one, hash_model(A), n, base, noise=SearchNoise(*(x[b : b + 1] if x is not None else None
+                                                                           for x in noise)))
+            differs |= noisy.visit_counts[0].tolist() != alone.visit_counts[0].tolist()
+    assert differs
+
+
+def test_per_row_settings_of_the_wrong_shape_are_refused():
+    A, B = 4, 3
+    cfg = SearchConfig(temperature=1.0, cpu_backend="torch")
+    noise = sample_noise(cfg, B, A, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"noise.root_fraction must be a \[3\] tensor"):
+        search(hash_root(B, A), hash_model(A), 4, cfg, noise=noise._replace(root_fraction=torch.zeros(2)))

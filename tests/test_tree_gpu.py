@@ -63,6 +63,44 @@ def _invalid(B: int, A: int, device: str) -> torch.Tensor:
     return invalid.to(device)
 
 
+@pytest.mark.parametrize("policy", ["muzero", "gumbel"])
+def test_a_graph_with_per_row_settings_replays_each_rows_own_search(policy):
+    """The inference actor's merged batches: a CapturedSearch(per_row=True) replays what the eager search gives
+    with the same per-row settings, and without settings given it searches with the config's."""
+    from rayzero.tree.capture import CapturedSearch
+
+    B, A, D, n = 32, 6, 16, 12
+    config = SearchConfig(policy=policy, temperature=1.0, dirichlet_fraction=0.25, max_num_considered_actions=4)
+    fn = _mlp_model(A, D, CUDA)
+    g = torch.Generator(device=CUDA).manual_seed(4)
+
+    def make_root():
+        return RootOutput(torch.randn(B, A, device=CUDA, generator=g), torch.randn(B, device=CUDA, generator=g),
+                          torch.randn(B, D, device=CUDA, generator=g))
+
+    captured = CapturedSearch(fn, make_root(), n, config, per_row=True)
+    greedy = torch.arange(B, device=CUDA) % 2 == 0
+    fraction = torch.where(greedy, 0.0, 0.25 if policy == "muzero" else 1.0)
+    rows = {"root_fraction": fraction}
+    if policy == "muzero":
+        rows["temperature"] = torch.where(greedy, 0.0, 1.0)
+    for _ in range(2):
+        root = make_root()
+        noise = sample_noise(config, B, A, generator=g, device=CUDA)._replace(**rows)
+        out = captured(root, noise=noise)
+        torch.cuda.synchronize()
+        ref = search(root, fn, n, config, noise=noise, use_triton=False)
+        assert torch.equal(out.visit_counts, ref.visit_counts)
+        assert torch.equal(out.action, ref.action)
+        torch.testing.assert_close(out.action_weights, ref.action_weights)
+    root = make_root()
+    noise = sample_noise(config, B, A, generator=g, device=CUDA)
+    out = captured(root, noise=noise)  # no per-row settings: the config's for every row
+    torch.cuda.synchronize()
+    ref = search(root, fn, n, config, noise=noise, use_triton=False)
+    assert torch.equal(out.visit_counts, ref.visit_counts)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: _id(c))
 @pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
 def test_cpu_and_cuda_agree(config, use_triton):

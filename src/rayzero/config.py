@@ -417,6 +417,10 @@ class InferenceConfig:
     """Largest bucket of whole-search CUDA graphs (one per bucket of the ladder up to here, captured at
     start-up for the run's search config; other configs are captured on first use). Bigger search
     requests run eagerly; 0 = no whole-search graphs."""
+    merge_searches: bool = False
+    """Whole searches that differ only in their acting settings (temperature, root-noise fraction or Gumbel
+    scale) share batches, each row searching with its own: greedy evaluation and reanalyse join self-play's
+    batches instead of taking the GPU for searches of their own (tree/noise.py, per-row settings)."""
     latent_timeout_s: float = 0.0
     """Free the latent slots of a client idle this long (seconds; 0 = only when the pool runs short, oldest
     client first)."""

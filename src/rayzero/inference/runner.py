@@ -21,7 +21,7 @@ import torch
 from rayzero.config import InferenceConfig
 from rayzero.inference.errors import InferenceError
 from rayzero.models.networks import MuZeroNet
-from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, search
+from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchNoise, sample_noise, search
 
 IDX_ROWS = 7  # src slot, action, dst slot, cache hit entry, cache hit dst slot, cache insert entry, its slot
 SRC, ACT, DST, HIT_SRC, HIT_DST, INS_ENTRY, INS_SLOT = range(IDX_ROWS)
@@ -92,6 +92,24 @@ class _Slot:
         self.busy = False  # launched and not yet waited for
 
 
+def merged_search(config: SearchConfig, base: SearchConfig) -> tuple[SearchConfig, dict[str, float]] | None:
+    """A request's search `config` as (the config its merged batch searches with, its rows' settings), or None
+    when it cannot join one: a noise that `base` (the run's search config) has off cannot be turned on per row.
+    MuZero batches draw the played action at temperature 1 and noise at base's fraction; each row then gets its
+    own fraction and temperature. Gumbel rows scale base's root noise."""
+    if config.policy == "muzero":
+        if config.dirichlet_fraction > 0 and base.dirichlet_fraction == 0:
+            return None
+        shape = dataclasses.replace(config, temperature=1.0, dirichlet_fraction=base.dirichlet_fraction,
+                                    gumbel_scale=base.gumbel_scale)
+        return shape, {"root_fraction": config.dirichlet_fraction, "temperature": config.temperature}
+    if config.gumbel_scale > 0 and base.gumbel_scale == 0:
+        return None
+    shape = dataclasses.replace(config, temperature=base.temperature, gumbel_scale=base.gumbel_scale,
+                                dirichlet_fraction=base.dirichlet_fraction)
+    return shape, {"root_fraction": config.gumbel_scale / base.gumbel_scale if base.gumbel_scale > 0 else 1.0}
+
+
 class Runner:
     """Runs batches of one kind ('initial', 'recurrent', 'search') on the device; see the module docstring."""
 
@@ -122,7 +140,7 @@ class Runner:
         self.scratch = np.arange(self.P, self.P + self.M, dtype=np.int64)
         self.cache_latents: torch.Tensor | None = None
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.searches: collections.OrderedDict[tuple[int, SearchConfig], Any] = collections.OrderedDict()
+        self.searches: collections.OrderedDict[tuple[int, SearchConfig, bool], Any] = collections.OrderedDict()
         self.capture_s = 0.0
         self._weights_copied: Any = None
         self._weight_stage: dict[str, torch.Tensor] | None = None
@@ -156,8 +174,12 @@ class Runner:
                 for bucket in self.ladder:
                     for kind in ("initial", "recurrent"):
                         self.graphs[(kind, bucket)] = self._capture(kind, bucket)
+                merged = merged_search(search_cfg, search_cfg) if cfg.merge_searches else None
                 for bucket in self.search_ladder:
-                    self._search_graph(bucket, search_cfg)
+                    if merged is not None:
+                        self._search_graph(bucket, merged[0], per_row=True)
+                    else:
+                        self._search_graph(bucket, search_cfg)
             self.stream.synchronize()
             self.capture_s = time.perf_counter() - start
 
@@ -208,11 +230,12 @@ class Runner:
         out = self.static["out"]
         return RootOutput(out[:bucket, 2:], out[:bucket, 0], self.latents[self.P:self.P + bucket])
 
-    def _search_graph(self, bucket: int, config: SearchConfig):
-        """The CapturedSearch of (bucket, config), captured now if new (call on the compute stream)."""
+    def _search_graph(self, bucket: int, config: SearchConfig, per_row: bool = False):
+        """The CapturedSearch of (bucket, config), captured now if new (call on the compute stream); per_row:
+        one that reads per-row settings (a merged batch)."""
         from rayzero.tree.capture import CapturedSearch
 
-        key = (bucket, config)
+        key = (bucket, config, per_row)
         captured = self.searches.get(key)
         if captured is None:
             same_bucket = [k for k in self.searches if k[0] == bucket]
@@ -220,7 +243,7 @@ class Runner:
                 del self.searches[same_bucket[0]]
             start = time.perf_counter()
             captured = CapturedSearch(self.search_fn, self._search_root(bucket), config.num_simulations, config,
-                                      pool=self.mempool, generator=self.generator)
+                                      pool=self.mempool, generator=self.generator, per_row=per_row)
             self.capture_s += time.perf_counter() - start
             self.searches[key] = captured
         self.searches.move_to_end(key)
@@ -346,9 +369,24 @@ class Runner:
             slot.end.record(self.stream)
         return Flight("recurrent", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end, slot)
 
+    def _row_noise(self, config: SearchConfig, rows: dict[str, np.ndarray], size: int) -> SearchNoise:
+        """Noise for `size` roots with the per-row settings `rows` (arrays of n <= size rows; padding rows get
+        the config's)."""
+        noise = sample_noise(config, size, self.A, generator=self.generator, device=self.device)
+        settings = {}
+        for name, values in rows.items():
+            default = (config.dirichlet_fraction if config.policy == "muzero" else 1.0) if name == "root_fraction" \
+                else config.temperature
+            column = np.full(size, default, np.float32)
+            column[:len(values)] = values
+            settings[name] = torch.from_numpy(column).to(self.device)
+        return noise._replace(**settings)
+
     @torch.no_grad()
-    def launch_search(self, parts: list[np.ndarray], mask: np.ndarray | None, config: SearchConfig) -> Flight:
+    def launch_search(self, parts: list[np.ndarray], mask: np.ndarray | None, config: SearchConfig,
+                      rows: dict[str, np.ndarray] | None = None) -> Flight:
         """Roots from obs parts ([n, *obs]) and invalid-action mask [n, A] (None: all legal) -> a whole search.
+        rows: per-row settings of a merged batch (`root_fraction`, `temperature`: [n] each; tree/noise.py).
 
         Outputs: action [n] int64, action_weights [n, A], visit_counts [n, A] int64, root_value [n].
         """
@@ -356,7 +394,7 @@ class Runner:
         bucket = next((b for b in self.search_ladder if n <= b), None)
         if bucket is None:
             with self._eager_stream():
-                return self._eager_search(parts, mask, config)
+                return self._eager_search(parts, mask, config, rows)
         slot = self._acquire()
         self._fill_obs(slot, parts)
         slot.idx_np[DST, :bucket] = self.scratch[:bucket]
@@ -366,9 +404,10 @@ class Runner:
         with torch.cuda.stream(self.stream):
             self._to_static(slot, obs_rows=n, mask_rows=bucket)
             self.graphs[("initial", bucket)].replay()
-            captured = self._search_graph(bucket, config)
+            captured = self._search_graph(bucket, config, per_row=rows is not None)
+            noise = self._row_noise(config, rows, bucket) if rows is not None else None
             out = captured(self._search_root(bucket), invalid_actions=self.static["mask"][:bucket],
-                           generator=self.generator)
+                           generator=self.generator, noise=noise)
             slot.s_action[:n].copy_(out.action[:n], non_blocking=True)
             slot.s_weights[:n].copy_(out.action_weights[:n], non_blocking=True)
             slot.s_visits[:n].copy_(out.visit_counts[:n], non_blocking=True)
@@ -432,14 +471,16 @@ class Runner:
         return self._eager_done("recurrent", n, {"out": out}, start)
 
     @torch.no_grad()
-    def _eager_search(self, parts, mask, config: SearchConfig) -> Flight:
+    def _eager_search(self, parts, mask, config: SearchConfig, rows: dict[str, np.ndarray] | None = None) -> Flight:
         start = time.perf_counter()
         obs = self._obs_tensor(parts)
         with self.autocast():
             o = self.model.initial(obs)
         root = RootOutput(o.policy_logits.float(), o.value.float(), o.latent)
         invalid = self._tensor(mask) if mask is not None else None
-        out = search(root, self.search_fn, config.num_simulations, config, invalid, generator=self.generator)
+        noise = self._row_noise(config, rows, len(obs)) if rows is not None else None
+        out = search(root, self.search_fn, config.num_simulations, config, invalid, generator=self.generator,
+                     noise=noise)
         outputs = {"action": out.action, "action_weights": out.action_weights.float(),
                    "visit_counts": out.visit_counts, "root_value": out.root_value.float()}
         return self._eager_done("search", len(obs), outputs, start)

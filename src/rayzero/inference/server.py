@@ -38,7 +38,7 @@ from rayzero.inference import channel as channels
 from rayzero.inference.cache import EvalCache, row_key
 from rayzero.inference.errors import InferenceError, InferenceOverloaded
 from rayzero.inference.pool import LatentPool
-from rayzero.inference.runner import Flight, Runner, is_cuda
+from rayzero.inference.runner import Flight, Runner, is_cuda, merged_search
 from rayzero.models import build_model
 from rayzero.tree import SearchConfig
 
@@ -65,7 +65,7 @@ WAVE_BATCHES = 2  # most unfinished wave jobs (recurrent batches from the wave q
 
 @dataclasses.dataclass
 class _Request:
-    key: Any  # 'initial', 'recurrent' or ('search', SearchConfig)
+    key: Any  # 'initial', 'recurrent', ('search', SearchConfig) or ('search', SearchConfig, 'rows') when merged
     client: str
     payload: Any
     rows: int
@@ -202,6 +202,10 @@ class InferenceServer:
             return {"action": np.zeros(0, np.int64), "action_weights": np.zeros((0, self.num_actions), np.float32),
                     "visit_counts": np.zeros((0, self.num_actions), np.int64), "root_value": np.zeros(0, np.float32),
                     "version": self.version}
+        merged = merged_search(config, self.search_cfg) if self.cfg.merge_searches else None
+        if merged is not None:  # one batch for every request of the same search shape, each row its settings
+            shape, settings = merged
+            return await self._submit(("search", shape, "rows"), client, (obs, mask, settings), len(obs))
         return await self._submit(("search", config), client, (obs, mask), len(obs))
 
     async def open_channel(self, client: str, max_rows: int, obs_rows: int = 0,
@@ -783,7 +787,12 @@ class InferenceServer:
         if any(m is not None for m in masks):
             mask = np.concatenate([m if m is not None else np.zeros((len(o), self.num_actions), bool)
                                    for m, o in zip(masks, obs)])
-        batch.flight = self.runner.launch_search(obs, mask, batch.key[1])
+        rows = None
+        if len(batch.key) == 3:  # a merged batch: each request's settings over its rows
+            names = batch.requests[0].payload[2]
+            rows = {name: np.concatenate([np.full(len(r.payload[0]), r.payload[2][name], np.float32)
+                                          for r in batch.requests]) for name in names}
+        batch.flight = self.runner.launch_search(obs, mask, batch.key[1], rows)
 
     def _finish(self, batch: _Batch) -> list:
         """GPU thread: wait for the batch's outputs and split them into per-request answers."""

@@ -42,7 +42,10 @@ class CapturedSearch:
         warmup: int = 2,
         pool: tuple[int, int] | None = None,
         generator: torch.Generator | None = None,
+        per_row: bool = False,
     ) -> None:
+        """per_row: the graph also reads per-row settings (noise.SearchNoise.root_fraction and temperature), so
+        that one batch can mix requests of different acting settings; a call that gives none gets the config's."""
         device = example_root.prior_logits.device
         if device.type != "cuda":
             raise ValueError(f"CapturedSearch needs CUDA tensors; the example root is on {device}")
@@ -61,6 +64,13 @@ class CapturedSearch:
         )
         self.invalid = torch.zeros((B, A), dtype=torch.bool, device=device)
         self.noise = sample_noise(config, B, A, generator=generator, device=device)
+        self.row_defaults: dict[str, float] = {}
+        if per_row:
+            self.row_defaults["root_fraction"] = config.dirichlet_fraction if config.policy == "muzero" else 1.0
+            if config.policy == "muzero":
+                self.row_defaults["temperature"] = config.temperature
+            self.noise = self.noise._replace(**{name: torch.full((B,), value, device=device)
+                                                for name, value in self.row_defaults.items()})
 
         def run() -> SearchOutput:
             return search(
@@ -121,6 +131,9 @@ class CapturedSearch:
             noise = sample_noise(self.config, B, A, generator=generator, device=self.device)
         for dst, src, name in zip(self.noise, noise, SearchNoise._fields):
             if dst is None:
+                continue
+            if src is None and name in self.row_defaults:
+                dst.fill_(self.row_defaults[name])
                 continue
             if src is None:
                 raise ValueError(f"noise.{name} is needed by this search (config {self.config}) but is None")

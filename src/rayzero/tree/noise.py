@@ -39,6 +39,13 @@ class SearchNoise(NamedTuple):
     """[B, A]: log-Gamma(dirichlet_alpha) samples (policy 'muzero') or standard Gumbel (policy 'gumbel')."""
     action: torch.Tensor | None = None
     """[B, A]: standard Gumbel samples for temperature sampling of the played action (policy 'muzero')."""
+    root_fraction: torch.Tensor | None = None
+    """[B] per-row settings of a batch that mixes requests (the inference actor's merged searches), None = the
+    config's: policy 'muzero', each row's Dirichlet fraction (it replaces config.dirichlet_fraction, which must be
+    > 0 for any noise to enter); policy 'gumbel', each row's factor on config.gumbel_scale."""
+    temperature: torch.Tensor | None = None
+    """[B] each row's temperature for the played action (policy 'muzero'; 0 = argmax of visits), replacing
+    config.temperature, which must be > 0 so that `action` is drawn. None = the config's."""
 
 
 def _uniform_open(

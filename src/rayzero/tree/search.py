@@ -95,7 +95,9 @@ def search(
             f"(device={device}, triton={kernels.triton_importable()}, virtual_loss={K})"
         )
     triton = (triton_ok and config.triton) if use_triton is None else bool(use_triton)
-    if cpu.use_numba(device, config.cpu_backend):  # tree/cpu.py: the whole search compiled, CPU tensors
+    per_row = noise is not None and (noise.root_fraction is not None or noise.temperature is not None)
+    # tree/cpu.py: the whole search compiled, CPU tensors (per-row settings of merged batches: the torch path)
+    if cpu.use_numba(device, config.cpu_backend) and not per_row:
         return cpu.run_search(
             logits, value, embedding, invalid, recurrent_fn, n, K, config, noise, generator,
             _check_recurrent, _check_noise,
@@ -252,7 +254,9 @@ def _init_root(
                 config.dirichlet_alpha, (B, A), generator=generator, device=ctx.device
             )
         _check_noise("noise.root", log_gamma, B, A, ctx.device)
-        f = config.dirichlet_fraction
+        f: float | torch.Tensor = config.dirichlet_fraction
+        if noise is not None and noise.root_fraction is not None:
+            f = _row_setting("noise.root_fraction", noise.root_fraction, B, ctx.device)
         prior = (1.0 - f) * prior + f * dirichlet_from_log_gamma(log_gamma.float(), invalid)
     if ctx.gumbel:
         ctx.root_log_prior = torch.log_softmax(masked, dim=-1)
@@ -262,6 +266,9 @@ def _init_root(
                 g = sample_gumbel((B, A), generator=generator, device=ctx.device)
             _check_noise("noise.root", g, B, A, ctx.device)
             ctx.root_gumbel = config.gumbel_scale * g.float()
+            if noise is not None and noise.root_fraction is not None:
+                ctx.root_gumbel = ctx.root_gumbel * _row_setting("noise.root_fraction", noise.root_fraction, B,
+                                                                 ctx.device)
         else:
             ctx.root_gumbel = torch.zeros((B, A), device=ctx.device)
         m = config.max_num_considered_actions
@@ -502,6 +509,13 @@ def _backup(tree: Tree, ctx: _Context, path: Path, leaf: torch.Tensor, leaf_valu
         tree.value_max.copy_(torch.maximum(tree.value_max, torch.where(mask, q, float("-inf")).amax(1)))
 
 
+def _row_setting(name: str, x: torch.Tensor, B: int, device: torch.device) -> torch.Tensor:
+    """A per-row setting [B] of a merged batch as a float32 [B, 1] column (see noise.SearchNoise)."""
+    if tuple(x.shape) != (B,) or x.device.type != device.type:
+        raise ValueError(f"{name} must be a [{B}] tensor on {device}, got {tuple(x.shape)} on {x.device}")
+    return x.float().view(B, 1)
+
+
 def _outputs(
     tree: Tree, ctx: _Context, noise: SearchNoise | None, generator: torch.Generator | None
 ) -> SearchOutput:
@@ -532,7 +546,12 @@ def _outputs(
             if g is None:
                 g = sample_gumbel((ctx.B, ctx.A), generator=generator, device=ctx.device)
             _check_noise("noise.action", g, ctx.B, ctx.A, ctx.device)
-            action = (torch.log(visits) / config.temperature + g.float()).argmax(-1)
+            if noise is not None and noise.temperature is not None:
+                t = _row_setting("noise.temperature", noise.temperature, ctx.B, ctx.device)
+                sampled = (torch.log(visits) / t.clamp_min(torch.finfo(torch.float32).tiny) + g.float()).argmax(-1)
+                action = torch.where(t[:, 0] > 0, sampled, visits.argmax(-1))
+            else:
+                action = (torch.log(visits) / config.temperature + g.float()).argmax(-1)
     return SearchOutput(
         action=action,
         action_weights=weights,
