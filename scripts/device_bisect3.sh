@@ -24,7 +24,8 @@ run cache256 --compile --batch 256 --path cache
 run noise128 --compile --batch 128 --path direct --frames noise
 run eager512 --batch 512 --path cache
 CHECK=8 run cache512_checked --compile --batch 512 --path cache
-timeout "$limit" python3 -m pytest -q -x tests/test_learner_gpu.py -k consistency > "$out/pytest_gpu.txt" 2>&1 &
+timeout "$limit" python3 -m pytest -q tests/test_learner_gpu.py tests/test_tree_gpu.py -k "consistency or per_row" \
+    > "$out/pytest_gpu.txt" 2>&1 &
 wait
 tail -3 "$out/pytest_gpu.txt"
 for f in "$out"/probe_*.txt; do
