@@ -5,7 +5,7 @@
 #   source .device/install.sh && bash scripts/device_pong.sh NAME TIME_LIMIT [--env ALE/Breakout-v5] [section.field=value ...]
 #
 # Everything lands in $OUT: train.out/.log, metrics.jsonl, summary.json, learning_curve.png, plan.json, dmon.txt,
-# probe.json (PROBE_DEVICE=cpu for a try on a CPU). A run of TIME_LIMIT s takes about TIME_LIMIT + 60 s, the probe up to 90 s more.
+# probe.json (PROBE_DEVICE=cpu for a try on a CPU), agent.gif (GIF=1). A run of TIME_LIMIT s takes about TIME_LIMIT + 60 s, the probe up to 90 s more.
 # A bar run (TIME_LIMIT 540) does not fit a 600 s call with its final evaluation: TRAIN_TIMEOUT=550 PROBE=0 ends
 # it in time (SIGTERM starts rayzero's clean end, final evaluation included; -k 10 kills what is left 10 s later),
 # and metrics.jsonl and train.log are copied into $OUT every 10 s, so what it logged comes back.
@@ -22,6 +22,11 @@ for f in metrics.jsonl summary.json learning_curve.png plan.json; do cp "/tmp/$n
 python3 scripts/lab_row.py "/tmp/$name" --dmon "$out/dmon.txt" --at "120,300,$limit"
 [ "${PROBE:-1}" = 1 ] && timeout 90 python3 scripts/search_probe.py --checkpoint "/tmp/$name" --device "${PROBE_DEVICE:-cuda}" --envs 16 --steps 200 --every 20 \
     --json "$out/probe.json" 2>&1 | grep -v "A.L.E\|Stella"
+# GIF=1: one greedy game of the final checkpoint as $out/agent.gif (a run that ended cleanly has one).
+if [ "${GIF:-0}" = 1 ] && [ -e "/tmp/$name/checkpoints/latest" ]; then
+    timeout "${GIF_TIMEOUT:-150}" python3 -m rayzero eval --checkpoint "/tmp/$name" --episodes 1 --device cuda \
+        --gif "$out/agent.gif" 2>&1 | grep -v "A.L.E\|Stella" | tail -2
+fi
 # What the log says about the compiled step (the compile check, learner.compile_check_steps) and the helper.
 grep -h "compiled step\|helper compiled\|helper process failed\|torch.compile" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | head -6
 tail -2 "$out/train.log"

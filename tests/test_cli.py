@@ -73,6 +73,12 @@ def test_corrupt_checkpoint(tmp_path, command):
     assert_usage_error(result, "corrupt")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_eval_on_cuda_without_a_gpu_is_a_usage_error(tmp_path):
+    result = rayzero("eval", "--checkpoint", str(tmp_path), "--episodes", "1", "--device", "cuda")
+    assert_usage_error(result, "--device", "CUDA is not available")
+
+
 def test_unknown_benchmark():
     assert_usage_error(rayzero("bench", "nosuchbench"), "nosuchbench", "tree")
 

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--gif", default=None, help="write one episode as a GIF here")
     evaluate.add_argument("--seed", type=int, default=12345)
     evaluate.add_argument("--max-steps", type=int, default=None, help="step cap per episode")
+    evaluate.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                          help="where the network and the search run (auto: a GPU when there is one)")
     evaluate.add_argument("overrides", nargs="*", help="section.field=value (e.g. search.num_simulations=50)")
 
     show = sub.add_parser("config", help="print the resolved config with each field's documentation", description=(
@@ -108,8 +110,14 @@ def _eval(args: argparse.Namespace) -> int:
     from rayzero.learner import load_model_weights
     from rayzero.models import build_model
 
+    from rayzero.devices import resolve_device
+
     if args.episodes < 1:
         raise UsageError(f"--episodes={args.episodes} must be >= 1")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        raise UsageError(f"--device: {error}") from None
     checkpoint = ckpt.latest(args.checkpoint)
     config_path = next((p / "config.yaml" for p in (checkpoint, *checkpoint.parents) if (p / "config.yaml").exists()),
                        None)
@@ -120,7 +128,7 @@ def _eval(args: argparse.Namespace) -> int:
     spec = _check_env(config.env)
     model = build_model(config.model, spec.observation_shape, spec.num_actions)
     load_model_weights(model, checkpoint)
-    network = LocalNetwork(model, config.replay.discount)
+    network = LocalNetwork(model.to(device), config.replay.discount)
     max_steps = args.max_steps or config.run.eval_max_steps
     returns = play_episodes(config.env, network, config.search, args.episodes, max_steps, args.seed)
     print(f"{config.env.id}: {np.mean(returns):.2f} ± {np.std(returns):.2f} over {len(returns)} episodes "
