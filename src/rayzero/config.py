@@ -297,9 +297,8 @@ class LearnerConfig:
     compile_check_steps: int = 8
     """The first updates of each compiled mode also run eagerly, from the same state, and the compiled gradient
     norm must be within 25 % of eager's; otherwise the learner logs both and falls back to the next mode (then
-    eager). Those updates apply the eager gradients. A guard against silent miscompiles: torch 2.11's inductor
-    gave a norm of ~800 against eager's ~4 (docs/benchmarks.md, ninth session). 0 turns it off; a DDP rank
-    never checks."""
+    eager). Those updates apply the eager gradients. A guard against silent miscompiles, which torch 2.11's
+    inductor made of this step (docs/benchmarks.md, ninth session). 0 turns it off; a DDP rank never checks."""
     compile_side_steps: bool = True
     """Compile the no-grad computations the step's inputs need (the target network's bootstraps, the
     consistency targets) when the step is compiled; false runs them eagerly: a shorter first step (the

@@ -91,10 +91,9 @@ _COMPILER_DIRS = tuple(str(Path(torch.__file__).parent / part)
 
 def avoid_miscompiles() -> None:
     """Inductor settings the learner's step needs to be computed right. Mix-order reduction (on by default since
-    torch 2.10) dropped writes of fused backward reductions (pytorch/pytorch#193061, fixed by #193103): on an
-    H200 with torch 2.11 the compiled step's gradient norm was ~800 against eager's ~4 at batch 512, and jumped
-    between ~4 and ~190 at batch 128 (the consistency heads' BatchNorm and Linear backward; docs/benchmarks.md,
-    ninth session). Set in every process that compiles the step, so the compile cache keys agree."""
+    torch 2.10) dropped writes of fused backward reductions (pytorch/pytorch#193061, fixed by #193103), which gave
+    the compiled step wrong gradients at some batch sizes on the GPU host (docs/benchmarks.md, ninth session).
+    Set in every process that compiles the step, so the compile cache keys agree."""
     import torch._inductor.config as inductor
 
     if hasattr(inductor.triton, "mix_order_reduction"):
