@@ -106,11 +106,10 @@ def _eval(args: argparse.Namespace) -> int:
     from rayzero import config as config_lib
     from rayzero.actors.evaluate import play_episodes, record_gif
     from rayzero.actors.network import LocalNetwork
+    from rayzero.devices import resolve_device
     from rayzero.learner import checkpoint as ckpt
     from rayzero.learner import load_model_weights
     from rayzero.models import build_model
-
-    from rayzero.devices import resolve_device
 
     if args.episodes < 1:
         raise UsageError(f"--episodes={args.episodes} must be >= 1")

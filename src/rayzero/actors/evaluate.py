@@ -85,7 +85,7 @@ class EvalWorker:
     def set_inference(self, server: Any) -> None:
         """Search through `server` from now on (the driver made a new inference actor after one died)."""
         if isinstance(self.network, RemoteNetwork):
-            self.network = RemoteNetwork(server, self.network.discount, self.network.client_id, whole_search=True)
+            self.network = self.network.on(server)
 
     def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int,
                  token: int | None = None) -> dict[str, Any]:

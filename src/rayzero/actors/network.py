@@ -83,6 +83,10 @@ class RemoteNetwork:
         self.submit_search(obs, temperature)
         return self.wait_search()
 
+    def on(self, server: Any) -> RemoteNetwork:
+        """The same client on another inference actor (the driver made a new one after this one's died)."""
+        return RemoteNetwork(server, self.discount, self.client_id, self.whole_search, self.channel)
+
     def twin(self, suffix: str) -> RemoteNetwork:
         """Another client of the same inference actor, with its own channel and latent slots (a search of its
         own can run beside this one's, in another thread)."""

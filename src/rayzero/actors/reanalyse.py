@@ -57,7 +57,7 @@ class ReanalyseWorker:
     def set_inference(self, server: Any) -> None:
         """Search through `server` from now on (the driver made a new inference actor after one died)."""
         if self.remote is not None:
-            self.remote = RemoteNetwork(server, self.remote.discount, self.remote.client_id, whole_search=True)
+            self.remote = self.remote.on(server)
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         if self.remote is not None:
@@ -105,7 +105,7 @@ class ReanalyseWorker:
         import ray
 
         start = time.perf_counter()
-        if weights is not None and weights[0] != self.version and self.remote is None:
+        if weights is not None and weights[0] != self.version:
             self.set_weights(*weights)
         job = ray.get(replay.sample_positions.remote(count))
         if job is None:

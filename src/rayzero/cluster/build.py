@@ -184,10 +184,8 @@ def colocated_options(p: Plan) -> dict[str, Any]:
 
 def make_colocated(config: Config, spec: EnvSpec, p: Plan) -> tuple[LearnerHandle, Any]:
     """(learner handle, inference actor) of one `ColocatedLearner` actor with both roles' CPUs and GPUs."""
-    learner_cfg = dataclasses.replace(config.learner, device=p.learner.device)
-    learner_args = (config.model, learner_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
-                    config.cluster.torch_threads)
-    actor = ray.remote(ColocatedLearner).options(**colocated_options(p)).remote(*_inference_args(config, spec, p), learner_args)
+    actor = ray.remote(ColocatedLearner).options(**colocated_options(p)).remote(
+        *_inference_args(config, spec, p), _learner_args(config, spec, p))
     return LearnerHandle(actor), actor
 
 
@@ -224,13 +222,18 @@ def build(config: Config, spec: EnvSpec, p: Plan | None = None, run_dir: str | N
     return Handles(replay, learner, selfplay, evaluation, inference, p, reanalyse)
 
 
+def _learner_args(config: Config, spec: EnvSpec, p: Plan) -> tuple:
+    """`Learner(...)`'s arguments, on the plan's device."""
+    learner_cfg = dataclasses.replace(config.learner, device=p.learner.device)
+    return (config.model, learner_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
+            config.cluster.torch_threads)
+
+
 def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root: str | None = None) -> Any:
     """The learner role: a `Learner` actor when cluster.num_learners == 1, else a `LearnerGroup` actor of
     that many DDP ranks (in one STRICT_PACK placement group: the plan's bundles).
     Both answer train/weights/set_weights/counters/save/load with `.remote(...)`."""
-    learner_cfg = dataclasses.replace(config.learner, device=p.learner.device)
-    c, seed = config.cluster, config.run.seed
-    args = (config.model, learner_cfg, spec.observation_shape, spec.num_actions, seed, c.torch_threads)
+    args = _learner_args(config, spec, p)
     if p.learner_group is None:
         return ray.remote(Learner).options(**p.learner.actor_options()).remote(*args)
     group = p.learner_group

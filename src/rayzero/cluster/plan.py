@@ -168,6 +168,7 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         raise ConfigError(f"cluster.colocate_learner=true needs central inference, but inference is {mode!r} here "
                           f"(inference.mode={config.inference.mode!r}, {gpus:g} GPUs): set inference.mode=central "
                           "or cluster.colocate_learner=false")
+    whole_search = mode == "central" and inference_device == "cuda" and config.search.device != "cpu"
     # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
     num_selfplay = max(selfplay_actors(config, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
@@ -186,9 +187,8 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
                         "cuda" if c.reanalyse_gpus > 0 else "cpu", options={"max_restarts": -1})
                    if config.reanalyse.fraction > 0 else None),
         learner_group=learner_ranks(c.num_learners, c.learner_cpus, learner_gpus) if c.num_learners > 1 else None,
-        whole_search=mode == "central" and inference_device == "cuda" and config.search.device != "cpu",
+        whole_search=whole_search,
         autoscaler_bundles=tuple({"CPU": c.selfplay_cpus} for _ in range(num_selfplay)) if c.request_resources else (),
         colocated=c.colocate_learner,
-        reanalyse_on_inference=(config.reanalyse.fraction > 0 and c.reanalyse_gpus == 0 and mode == "central"
-                                and inference_device == "cuda" and config.search.device != "cpu"),
+        reanalyse_on_inference=config.reanalyse.fraction > 0 and c.reanalyse_gpus == 0 and whole_search,
     )

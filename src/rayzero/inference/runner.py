@@ -22,6 +22,7 @@ from rayzero.config import InferenceConfig
 from rayzero.inference.errors import InferenceError
 from rayzero.models.networks import MuZeroNet
 from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchNoise, sample_noise, search
+from rayzero.tree.noise import row_defaults
 
 IDX_ROWS = 7  # src slot, action, dst slot, cache hit entry, cache hit dst slot, cache insert entry, its slot
 SRC, ACT, DST, HIT_SRC, HIT_DST, INS_ENTRY, INS_SLOT = range(IDX_ROWS)
@@ -373,11 +374,9 @@ class Runner:
         """Noise for `size` roots with the per-row settings `rows` (arrays of n <= size rows; padding rows get
         the config's)."""
         noise = sample_noise(config, size, self.A, generator=self.generator, device=self.device)
-        settings = {}
+        settings, defaults = {}, row_defaults(config)
         for name, values in rows.items():
-            default = (config.dirichlet_fraction if config.policy == "muzero" else 1.0) if name == "root_fraction" \
-                else config.temperature
-            column = np.full(size, default, np.float32)
+            column = np.full(size, defaults[name], np.float32)
             column[:len(values)] = values
             settings[name] = torch.from_numpy(column).to(self.device)
         return noise._replace(**settings)

@@ -418,13 +418,16 @@ class Learner:
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return buffers, torch.get_rng_state(), cuda_rng
 
+    def _grad_norm(self) -> float:
+        return torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in self.loss_module.parameters()
+                                                     if p.grad is not None])).item()
+
     def _check_against_eager(self, tensors: dict[str, torch.Tensor],
                              before: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]
                              ) -> tuple[torch.Tensor, ...]:
         """The compiled step has left its gradients: rerun the step eagerly from the state before it, compare the
         gradient norms, and keep the eager outputs and gradients. A mismatch moves to the next compile mode."""
-        params = [p for p in self.loss_module.parameters() if p.grad is not None]
-        compiled_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item()
+        compiled_norm = self._grad_norm()
         buffers, cpu_rng, cuda_rng = before
         with torch.no_grad():
             for buffer, saved in zip(self.loss_module.buffers(), buffers):
@@ -437,8 +440,7 @@ class Learner:
             loss, stats, priorities = self.loss_module(tensors)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        params = [p for p in self.loss_module.parameters() if p.grad is not None]
-        eager_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item()
+        eager_norm = self._grad_norm()
         self._check_steps -= 1
         mode = self.compile_state.split(":")[-1]
         if not (math.isfinite(compiled_norm) and abs(compiled_norm - eager_norm) <= 0.25 * eager_norm + 1e-6):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from rayzero.tree.base import RecurrentFn, RootOutput, SearchConfig, SearchOutput
-from rayzero.tree.noise import SearchNoise, sample_noise
+from rayzero.tree.noise import SearchNoise, row_defaults, sample_noise
 from rayzero.tree.search import search
 from rayzero.tree.tree import tree_leaves, tree_map, tree_map2
 
@@ -64,11 +64,8 @@ class CapturedSearch:
         )
         self.invalid = torch.zeros((B, A), dtype=torch.bool, device=device)
         self.noise = sample_noise(config, B, A, generator=generator, device=device)
-        self.row_defaults: dict[str, float] = {}
+        self.row_defaults = row_defaults(config) if per_row else {}
         if per_row:
-            self.row_defaults["root_fraction"] = config.dirichlet_fraction if config.policy == "muzero" else 1.0
-            if config.policy == "muzero":
-                self.row_defaults["temperature"] = config.temperature
             self.noise = self.noise._replace(**{name: torch.full((B,), value, device=device)
                                                 for name, value in self.row_defaults.items()})
 

@@ -48,6 +48,13 @@ class SearchNoise(NamedTuple):
     config.temperature, which must be > 0 so that `action` is drawn. None = the config's."""
 
 
+def row_defaults(config: SearchConfig) -> dict[str, float]:
+    """The per-row settings (SearchNoise.root_fraction, temperature) that give every row `config`'s own."""
+    if config.policy == "muzero":
+        return {"root_fraction": config.dirichlet_fraction, "temperature": config.temperature}
+    return {"root_fraction": 1.0}
+
+
 def _uniform_open(
     shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
 ) -> torch.Tensor:
