@@ -6,7 +6,8 @@
 # compiled norms were ~800 (batch 512) and jumped between 4 and 190 (batch 128), eager ~4; the learner now turns
 # inductor's mix-order reduction off (learner.avoid_miscompiles). This call checks that fix, and runs the GPU test.
 # The probes print the compiled step's own norms (learner.compile_check_steps=0), except cache512_checked, whose
-# log says whether the compile check found the compiled step off eager's.
+# log says whether the compile check found the compiled step off eager's, and graph512, the eager step replayed as
+# one CUDA graph (learner.step_graph), whose norms must be eager512's.
 #
 #   source .device/install.sh && bash scripts/device_bisect3.sh      # ~3 minutes; logs under $OUT
 set -u
@@ -22,9 +23,10 @@ run() {
 run cache512 --compile --batch 512 --path cache
 run cache256 --compile --batch 256 --path cache
 run noise128 --compile --batch 128 --path direct --frames noise
-run eager512 --batch 512 --path cache
+run eager512 --batch 512 --path cache learner.step_graph=false
+run graph512 --batch 512 --path cache  # the eager step replayed as one CUDA graph (learner.step_graph)
 CHECK=8 run cache512_checked --compile --batch 512 --path cache
-timeout "$limit" python3 -m pytest -q tests/test_learner_gpu.py tests/test_tree_gpu.py -k "consistency or per_row" \
+timeout "$limit" python3 -m pytest -q tests/test_learner_gpu.py tests/test_tree_gpu.py -k "consistency or per_row or step_graph" \
     > "$out/pytest_gpu.txt" 2>&1 &
 wait
 tail -3 "$out/pytest_gpu.txt"

@@ -33,7 +33,8 @@ VARIANTS = {
     "consistency_separate": ["learner.consistency_weight=2", "replay.next_obs=true",
                              "learner.consistency_targets=separate"],
     "no_cudagraphs": ["learner.compile_mode=default"],
-    "eager": ["learner.compile=false"],
+    "eager": ["learner.compile=false", "learner.step_graph=false"],
+    "eager_graph": ["learner.compile=false"],  # the eager step replayed as one CUDA graph
 }
 QUICK = ["model.channels=8", "model.support_size=10", "learner.batch_size=8", "env.image_size=64"]
 

@@ -10,6 +10,8 @@ import torch
 from rayzero.config import ConfigError, LearnerConfig, ModelConfig, ReplayConfig
 from rayzero.learner import CheckpointError, Learner
 from rayzero.learner import checkpoint as ckpt
+from rayzero.learner.learner import EAGER_BEFORE_GRAPH
+from rayzero.learner.step_graph import StepGraph
 from rayzero.models.support import support_to_scalar
 from rayzero.replay import ReplayBuffer, Segment
 
@@ -1022,3 +1024,42 @@ def test_a_compiled_step_that_follows_eager_stays_on_after_its_checks(monkeypatc
     assert "followed eager over 3 updates" in caplog.text
     for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+class _Ungraphed(StepGraph):
+    """StepGraph's protocol without CUDA: the optimizer reads the rate from the graph's tensor, and each call runs
+    the body the graph would capture and replay (CUDA's capture and replay run in tests/test_learner_gpu.py)."""
+
+    def __call__(self, tensors, lr):
+        self.lr.fill_(lr)
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        try:
+            self.captures = 1
+            return self.body(tensors)
+        finally:
+            for group, rate in zip(self.optimizer.param_groups, rates):
+                group["lr"] = rate
+
+
+def test_the_step_graphs_body_is_the_eager_update():
+    """What learner.step_graph captures (target-network bootstraps, consistency targets, loss, backward,
+    clipping, SGD at a rate read from a tensor) updates the learner exactly as the eager update does, with the
+    rate changing every update (warm-up) and the target copied every second one."""
+    model, base, replay = _consistency_learners()
+    cfg = LearnerConfig(**{**base, "optimizer": "sgd", "lr": 0.05, "lr_warmup_steps": 4})
+    batches = [replay.sample(8) for _ in range(6)]
+    plain = Learner(model, cfg, (3, 16, 16), 3, seed=0)
+    graphed = Learner(model, cfg, (3, 16, 16), 3, seed=0)
+    graphed._step_graph = _Ungraphed(graphed._graph_body, graphed.optimizer, graphed.device)
+    for batch in batches:
+        expected, expected_priorities = plain.step(batch)
+        got, priorities = graphed.step(batch)
+        for name in ("loss", "grad_norm", "value_loss", "consistency_loss", "lr"):
+            assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        np.testing.assert_allclose(priorities, expected_priorities, rtol=1e-5)
+    assert graphed.graph_updates == len(batches) - EAGER_BEFORE_GRAPH and plain.graph_updates == 0
+    for name, weight in plain.model.state_dict().items():
+        torch.testing.assert_close(graphed.model.state_dict()[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(isinstance(group["lr"], float) for group in graphed.optimizer.param_groups)

@@ -35,7 +35,8 @@ def start(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...]
     work = Path(tempfile.mkdtemp(prefix="rayzero_compile."))
     torch.save({k: v.detach().cpu() for k, v in tensors.items()}, work / "batch.pt")
     helper_cfg = dataclasses.replace(cfg, background_compile=False, compile=True, device=device.type,
-                                     compile_check_steps=0)  # the helper only fills the cache
+                                     compile_check_steps=0,
+                                     step_graph=False)  # the helper only fills the cache
     with open(work / "args.pkl", "wb") as f:
         pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape),
                      "num_actions": num_actions, "stale": stale, "parent": os.getpid()}, f)

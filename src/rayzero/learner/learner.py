@@ -41,6 +41,7 @@ from rayzero.learner import background
 from rayzero.learner.checkpoint import CheckpointError
 from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
+from rayzero.learner.step_graph import StepGraph
 from rayzero.logs import first_line, logger
 from rayzero.models import build_model
 from rayzero.models.state import StateDict, copy_into, snapshot
@@ -80,6 +81,7 @@ def _on_gc(phase: str, info: dict) -> None:
 
 gc.callbacks.append(_on_gc)
 FULL_GC_EVERY = 20  # train calls between full collections with learner.manual_gc
+EAGER_BEFORE_GRAPH = 2  # eager updates (cuDNN's algorithm search, the optimizer's state) before the step graph
 
 
 log = logger(__name__)
@@ -208,6 +210,12 @@ class Learner:
                 and cfg.compile_mode == "reduce-overhead" and self.device.type == "cuda"):
             log.warning("learner.consistency_targets=step with CUDA graphs: the consistency loss did not train this "
                         "way on an H200 (torch 2.11); 'separate' does")
+        # learner.step_graph: where the update runs eagerly on CUDA, it replays as one CUDA graph (a DDP rank
+        # never: its all-reduce hooks are not captured). Captured after a few eager updates (learner/step_graph.py).
+        self._step_graph = (StepGraph(self._graph_body, self.optimizer, self.device)
+                            if cfg.step_graph and cuda and not distributed else None)
+        self._eager_updates = 0  # eager updates outside the graph (the graph is captured after EAGER_BEFORE_GRAPH)
+        self.graph_updates = 0
         self.steps = 0
         self.version = 0
         self.samples = 0
@@ -288,6 +296,8 @@ class Learner:
                 self.compile_state = "failed"
             return
         mode = self._modes.pop(0)
+        if getattr(self, "_step_graph", None) is not None:
+            self._step_graph.drop()  # the compiled step takes over from the eager one's graph
         if self.cfg.compile_backend == "inductor":
             self._switch.use(torch.compile(self.loss_module, dynamic=False, mode=mode))
         else:  # modes are inductor's
@@ -358,18 +368,81 @@ class Learner:
                                  "set replay.bootstrap_obs=true")
             if self.steps % cfg.target_update_interval == 0:
                 self.sync_target()
-            with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                enabled=cfg.bf16 and self.device.type == "cuda"):
-                boot = self._bootstrap(self.target, tensors["bootstrap_obs"], self.channels_last).float()
-            tensors = dict(tensors, target_values=tensors["target_values"] + tensors["bootstrap_scale"] * boot)
         if self.consistency is not None and "next_obs" not in tensors:
             raise ValueError("learner.consistency_weight > 0 needs batches with next observations: "
                              "set replay.next_obs=true")
+        lr = cfg.lr * self._lr_factor(self.steps)
+        graph = self._step_graph
+        if (graph is not None and not graph.failed and self._switch.compiled is None
+                and self._eager_updates >= EAGER_BEFORE_GRAPH):
+            captures = graph.captures
+            loss, stats, priorities, grad_norm = graph(tensors, lr)
+            priorities = priorities.clone()  # the graph's outputs are rewritten by its next replay
+            if graph.captures > captures:
+                log.info(f"the eager step replays as a CUDA graph from update {self.steps + 1} "
+                         "(learner.step_graph)")
+            self.graph_updates += 1
+        else:
+            loss, stats, priorities, grad_norm = self._plain_update(tensors, lr)
+        with torch.no_grad():
+            metrics = torch.cat([loss.detach().float().view(1), stats.float(), grad_norm.detach().float().view(1),
+                                 torch.full((1,), float(stale), device=self.device)])
+            self._sums += metrics
+        self._sum_steps += 1
+        self.steps += 1
+        self.samples += len(tensors["weights"]) * self.world_size
+        return priorities, metrics
+
+    def _step_inputs(self, tensors: dict[str, torch.Tensor], eager: bool = False) -> dict[str, torch.Tensor]:
+        """The batch with what the loss needs computed beforehand: target-network bootstraps folded into the value
+        targets, and the consistency targets in place of the next observations. eager: not the compiled forms."""
+        cfg = self.cfg
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  enabled=cfg.bf16 and self.device.type == "cuda", cache_enabled=not eager)
+        if self.target is not None:
+            bootstrap = bootstrap_values if eager else self._bootstrap
+            with autocast:
+                boot = bootstrap(self.target, tensors["bootstrap_obs"], self.channels_last).float()
+            tensors = dict(tensors, target_values=tensors["target_values"] + tensors["bootstrap_scale"] * boot)
         if self.consistency is not None and cfg.consistency_targets == "separate":
-            with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                enabled=cfg.bf16 and self.device.type == "cuda"):
-                targets = self._consistency_targets(tensors["next_obs"])
+            targets_of = self.loss_module.consistency_targets if eager else self._consistency_targets
+            with autocast:
+                targets = targets_of(tensors["next_obs"])
             tensors = {**{k: v for k, v in tensors.items() if k != "next_obs"}, "consistency_targets": targets}
+        return tensors
+
+    def _clip_and_step(self, lr: float | None) -> torch.Tensor:
+        """Global-norm clipping and the optimizer step on the gradients in place; returns the norm. lr: the rate to
+        set first (None: the one set, as in the step graph, which reads it from a device tensor)."""
+        cfg = self.cfg
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.world_size > 1 and cfg.grad_sync == "flat":
+            self._all_reduce_flat(params)
+        if cfg.grad_clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
+        else:
+            grad_norm = torch.zeros((), device=self.device)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.step()
+        return grad_norm
+
+    def _graph_body(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The whole eager update, as learner.step_graph captures it: no host sync, no Python-side state."""
+        tensors = self._step_inputs(tensors, eager=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16 and self.device.type == "cuda",
+                            cache_enabled=False):
+            loss, stats, priorities = self.loss_module(tensors)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = self._clip_and_step(None)
+        return loss.detach(), stats, priorities, grad_norm
+
+    def _plain_update(self, tensors: dict[str, torch.Tensor], lr: float) -> tuple[torch.Tensor, ...]:
+        """An update without the step graph: compiled (its first steps watched, and checked against eager) or
+        eager."""
+        tensors = self._step_inputs(tensors)
         before = self._check_point() if self._check_steps and self._switch.compiled is not None else None
         while True:
             if not self._watch_steps:
@@ -392,25 +465,9 @@ class Learner:
             break
         if before is not None and self._switch.compiled is not None:
             loss, stats, priorities = self._check_against_eager(tensors, before)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.world_size > 1 and cfg.grad_sync == "flat":
-            self._all_reduce_flat(params)
-        if cfg.grad_clip:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
-        else:
-            grad_norm = torch.zeros((), device=self.device)
-        lr = cfg.lr * self._lr_factor(self.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        with torch.no_grad():
-            metrics = torch.cat([loss.detach().float().view(1), stats.float(), grad_norm.detach().float().view(1),
-                                 torch.full((1,), float(stale), device=self.device)])
-            self._sums += metrics
-        self._sum_steps += 1
-        self.steps += 1
-        self.samples += len(tensors["weights"]) * self.world_size
-        return priorities, metrics
+        if self._switch.compiled is None:
+            self._eager_updates += 1
+        return loss, stats, priorities, self._clip_and_step(lr)
 
     def _check_point(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """What a step changes besides the gradients: the BatchNorm statistics, and the RNG (augmentation)."""
@@ -529,7 +586,7 @@ class Learner:
             learner_steps=self.steps, version=self.version, samples=self.samples,
             steps_per_second=num_steps / elapsed,
             samples_per_second=(self.samples - samples_before) / elapsed,
-            compile=self.compile_state,
+            compile=self.compile_state, graph_updates=self.graph_updates,
         )
         return result
 
@@ -703,6 +760,8 @@ class Learner:
         except ValueError as error:  # e.g. the checkpoint was written with consistency heads on, now off
             raise CheckpointError(f"checkpoint {str(path)!r}: optimizer state does not fit this learner "
                                   f"configuration ({error})") from None
+        if self._step_graph is not None:
+            self._step_graph.drop()  # it reads the optimizer's state tensors, which loading replaced
         self.steps = int(other["counters"]["learner_steps"])
         self.version = int(other["counters"]["version"])
         self.samples = int(other["counters"]["samples"])
