@@ -27,6 +27,7 @@ if [ "${GIF:-0}" = 1 ] && [ -e "/tmp/$name/checkpoints/latest" ]; then
     timeout "${GIF_TIMEOUT:-150}" python3 -m rayzero eval --checkpoint "/tmp/$name" --episodes 1 --device cuda \
         --gif "$out/agent.gif" 2>&1 | grep -v "A.L.E\|Stella" | tail -2
 fi
-# What the log says about the compiled step (the compile check, learner.compile_check_steps) and the helper.
-grep -h "compiled step\|helper compiled\|helper process failed\|torch.compile" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | head -6
+# What the log says about the compiled step (the compile check, learner.compile_check_steps), the helper and
+# the eager step's graph (learner.step_graph).
+grep -h "compiled step\|helper compiled\|helper process failed\|torch.compile\|CUDA graph" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | head -8
 tail -2 "$out/train.log"

@@ -1043,13 +1043,17 @@ class _Ungraphed(StepGraph):
                 group["lr"] = rate
 
 
-def test_the_step_graphs_body_is_the_eager_update():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_step_graphs_body_is_the_update_it_replaces(compiled):
     """What learner.step_graph captures (target-network bootstraps, consistency targets, loss, backward,
-    clipping, SGD at a rate read from a tensor) updates the learner exactly as the eager update does, with the
-    rate changing every update (warm-up) and the target copied every second one."""
+    clipping, SGD at a rate read from a tensor) updates the learner exactly as the update without it does, with
+    the rate changing every update (warm-up) and the target copied every second one. compiled: the step compiled
+    without CUDA graphs (aot_eager here), which the graph takes over once its first steps are watched and checked
+    against eager."""
     model, base, replay = _consistency_learners()
-    cfg = LearnerConfig(**{**base, "optimizer": "sgd", "lr": 0.05, "lr_warmup_steps": 4})
-    batches = [replay.sample(8) for _ in range(6)]
+    cfg = LearnerConfig(**{**base, "optimizer": "sgd", "lr": 0.05, "lr_warmup_steps": 4, "compile": compiled,
+                           "compile_backend": "aot_eager", "compile_mode": "default", "compile_check_steps": 2})
+    batches = [replay.sample(8) for _ in range(9)]
     plain = Learner(model, cfg, (3, 16, 16), 3, seed=0)
     graphed = Learner(model, cfg, (3, 16, 16), 3, seed=0)
     graphed._step_graph = _Ungraphed(graphed._graph_body, graphed.optimizer, graphed.device)
@@ -1059,7 +1063,10 @@ def test_the_step_graphs_body_is_the_eager_update():
         for name in ("loss", "grad_norm", "value_loss", "consistency_loss", "lr"):
             assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
         np.testing.assert_allclose(priorities, expected_priorities, rtol=1e-5)
-    assert graphed.graph_updates == len(batches) - EAGER_BEFORE_GRAPH and plain.graph_updates == 0
+    # Eager: two plain updates first. Compiled: three watched (compile failures), of which two are checked.
+    assert graphed.graph_updates == len(batches) - (3 if compiled else EAGER_BEFORE_GRAPH)
+    assert plain.graph_updates == 0
+    assert graphed.compile_state == ("on:default" if compiled else "off")
     for name, weight in plain.model.state_dict().items():
         torch.testing.assert_close(graphed.model.state_dict()[name], weight, rtol=1e-5, atol=1e-6, msg=name)
     assert all(isinstance(group["lr"], float) for group in graphed.optimizer.param_groups)

@@ -271,3 +271,32 @@ def test_the_step_graph_runs_while_the_background_compile_does_and_then_gives_wa
     for _ in range(5):
         learner.step(replay.sample(32))
     assert learner.graph_updates == during and learner._step_graph.graph is None
+
+
+def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it():
+    """learner.step_graph over the step compiled in inductor's 'default' mode (no CUDA graphs of its own): once the
+    compiled step's first updates are watched and checked, one graph replays the compiled kernels, the side steps
+    and the optimizer; its updates equal the same compiled step's without the graph."""
+    model = ModelConfig(kind="resnet", channels=16, blocks=1, support_size=10, reduced_channels=4, head_hidden=16)
+    base = dict(batch_size=32, device="cuda", compile=True, compile_mode="default", compile_check_steps=2,
+                target_update_interval=3, consistency_weight=2.0, consistency_dim=32, optimizer="sgd", lr=0.1,
+                lr_warmup_steps=6, background_compile=False)
+    replay = ReplayBuffer(ReplayConfig(capacity=2000, unroll_steps=3, td_steps=3, min_size=0, bootstrap_obs=True,
+                                       next_obs=True), seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        replay.add(Segment(obs=rng.integers(0, 256, size=(100, 3, 32, 32), dtype=np.uint8),
+                           actions=rng.integers(0, 4, 100), rewards=rng.normal(size=100).astype(np.float32),
+                           policies=rng.dirichlet(np.ones(4), size=100).astype(np.float32),
+                           root_values=rng.normal(size=100).astype(np.float32), num_sampleable=96,
+                           terminal=False, bootstrap_value=0.3))
+    batches = [replay.sample(32) for _ in range(10)]
+    runs = {}
+    for graphed in (False, True):
+        learner = Learner(model, LearnerConfig(**base, step_graph=graphed), (3, 32, 32), 4, seed=0)
+        runs[graphed] = ([learner.step(b)[0] for b in batches], learner.graph_updates, learner.compile_state)
+    (plain, none, state), (graph, replays, graph_state) = runs[False], runs[True]
+    assert none == 0 and replays == len(batches) - 3 and state == graph_state == "on:default"
+    for name in ("loss", "grad_norm", "value_loss", "consistency_loss"):
+        np.testing.assert_allclose([m[name] for m in graph], [m[name] for m in plain], rtol=2e-3, atol=1e-5,
+                                   err_msg=name)

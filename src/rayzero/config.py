@@ -300,10 +300,11 @@ class LearnerConfig:
     eager). Those updates apply the eager gradients. A guard against silent miscompiles, which torch 2.11's
     inductor made of this step (docs/benchmarks.md, ninth session). 0 turns it off; a DDP rank never checks."""
     step_graph: bool = True
-    """On CUDA, an update that runs eagerly (while learner.background_compile's helper compiles, after compiling
-    failed or was caught computing wrong gradients, with compile false) is captured once as a CUDA graph of eager
-    kernels and replayed for each batch: eager updates are otherwise bound by launching their kernels
-    (learner/step_graph.py). A single learner only; a failed capture is logged and training goes on eagerly."""
+    """On CUDA, an update without CUDA graphs of its own (eager: while learner.background_compile's helper
+    compiles, after compiling failed or was caught computing wrong gradients, or with compile false; or compiled
+    in a mode without graphs, such as 'default') is captured once, whole, as one CUDA graph and replayed for each
+    batch: such updates are otherwise bound by launching their kernels (learner/step_graph.py). A single learner
+    only; a failed capture is logged and training goes on without it."""
     compile_side_steps: bool = True
     """Compile the no-grad computations the step's inputs need (the target network's bootstraps, the
     consistency targets) when the step is compiled; false runs them eagerly: a shorter first step (the

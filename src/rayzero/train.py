@@ -452,7 +452,9 @@ class Driver:
         self.counters.learner_steps = result["learner_steps"]
         self.learner_version = result["version"]
         self.schedule.learned(self.counters)
-        self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float)}
+        # The learner's float metrics, and how many of its updates replayed the eager step's graph
+        # (learner.step_graph).
+        self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float) or k == "graph_updates"}
 
     def _replace_actor(self, index: int, error: Exception, handles: cluster.Handles) -> None:
         """A self-play actor's node went away (or it crashed): a new one starts wherever there is room, or waits

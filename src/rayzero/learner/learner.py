@@ -373,13 +373,13 @@ class Learner:
                              "set replay.next_obs=true")
         lr = cfg.lr * self._lr_factor(self.steps)
         graph = self._step_graph
-        if (graph is not None and not graph.failed and self._switch.compiled is None
-                and self._eager_updates >= EAGER_BEFORE_GRAPH):
+        if self._graph_ready():
             captures = graph.captures
             loss, stats, priorities, grad_norm = graph(tensors, lr)
             priorities = priorities.clone()  # the graph's outputs are rewritten by its next replay
             if graph.captures > captures:
-                log.info(f"the eager step replays as a CUDA graph from update {self.steps + 1} "
+                what = "eager" if self._switch.compiled is None else self.compile_state.split(":")[-1] + " compiled"
+                log.info(f"the {what} step replays as one CUDA graph from update {self.steps + 1} "
                          "(learner.step_graph)")
             self.graph_updates += 1
         else:
@@ -393,21 +393,30 @@ class Learner:
         self.samples += len(tensors["weights"]) * self.world_size
         return priorities, metrics
 
-    def _step_inputs(self, tensors: dict[str, torch.Tensor], eager: bool = False) -> dict[str, torch.Tensor]:
+    def _graph_ready(self) -> bool:
+        """Whether this update goes through learner.step_graph: an eager step after its first updates, or a
+        compiled one without CUDA graphs of its own once its first steps are watched and checked."""
+        graph = self._step_graph
+        if graph is None or graph.failed:
+            return False
+        if self._switch.compiled is None:
+            return self._eager_updates >= EAGER_BEFORE_GRAPH
+        return not self._graphs and not self._watch_steps and not self._check_steps
+
+    def _step_inputs(self, tensors: dict[str, torch.Tensor], in_graph: bool = False) -> dict[str, torch.Tensor]:
         """The batch with what the loss needs computed beforehand: target-network bootstraps folded into the value
-        targets, and the consistency targets in place of the next observations. eager: not the compiled forms."""
+        targets, and the consistency targets in place of the next observations. in_graph: for the step graph
+        (autocast without its cache of cast weights, which CUDA-graph capture does not support)."""
         cfg = self.cfg
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                  enabled=cfg.bf16 and self.device.type == "cuda", cache_enabled=not eager)
+                                  enabled=cfg.bf16 and self.device.type == "cuda", cache_enabled=not in_graph)
         if self.target is not None:
-            bootstrap = bootstrap_values if eager else self._bootstrap
             with autocast:
-                boot = bootstrap(self.target, tensors["bootstrap_obs"], self.channels_last).float()
+                boot = self._bootstrap(self.target, tensors["bootstrap_obs"], self.channels_last).float()
             tensors = dict(tensors, target_values=tensors["target_values"] + tensors["bootstrap_scale"] * boot)
         if self.consistency is not None and cfg.consistency_targets == "separate":
-            targets_of = self.loss_module.consistency_targets if eager else self._consistency_targets
             with autocast:
-                targets = targets_of(tensors["next_obs"])
+                targets = self._consistency_targets(tensors["next_obs"])
             tensors = {**{k: v for k, v in tensors.items() if k != "next_obs"}, "consistency_targets": targets}
         return tensors
 
@@ -429,11 +438,12 @@ class Learner:
         return grad_norm
 
     def _graph_body(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The whole eager update, as learner.step_graph captures it: no host sync, no Python-side state."""
-        tensors = self._step_inputs(tensors, eager=True)
+        """The whole update (eager, or compiled without CUDA graphs), as learner.step_graph captures it: no host
+        sync, no Python-side state."""
+        tensors = self._step_inputs(tensors, in_graph=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16 and self.device.type == "cuda",
                             cache_enabled=False):
-            loss, stats, priorities = self.loss_module(tensors)
+            loss, stats, priorities = self._switch(tensors)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = self._clip_and_step(None)

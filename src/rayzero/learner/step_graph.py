@@ -1,17 +1,19 @@
-"""The learner's eager update as one CUDA graph (`learner.step_graph`).
+"""The learner's update as one CUDA graph (`learner.step_graph`).
 
-Where the update runs eagerly on CUDA (while the background compile's helper compiles, after compiling failed or
-a compiled mode was caught computing wrong gradients, or with `learner.compile=false`), it is bound by Python
-launching its thousands of small kernels, not by the GPU (docs/benchmarks.md, the learner's step alone). This
-captures the whole update (side steps, loss, backward, clipping, the optimizer step) once and replays it for each
-batch: the same kernels as eager, so the same arithmetic, launched by one call. PyTorch's documented whole-network
-capture (`torch.cuda.graph`); inductor is not involved, so its compile time and its miscompiles are not either.
+Where the update runs without CUDA graphs of its own (eagerly: while the background compile's helper compiles,
+after compiling failed or a compiled mode was caught computing wrong gradients, or with `learner.compile=false`;
+or compiled in inductor's 'default' mode), it is bound by Python launching its thousands of small kernels, not by
+the GPU (docs/benchmarks.md, the learner's step alone). This captures the whole update (side steps, loss,
+backward, clipping, the optimizer step) once and replays it for each batch: the same kernels, so the same
+arithmetic, launched by one call. It is PyTorch's documented whole-network capture (`torch.cuda.graph`); an eager
+step's graph does not involve inductor, so neither its compile time nor its miscompiles.
 
 What the graph needs, and how it is given it: fixed shapes and keys (a batch that differs is captured anew); the
 optimizer's state in being (the graph is captured after eager updates have created it); the learning rate as a
 device tensor (the optimizer is fused, and reads it from there); inputs at fixed addresses (each batch is copied
 into the captured ones). Other threads may use CUDA meanwhile (the prefetcher, a colocated inference server):
-the capture is thread-local. A capture that fails is logged and the learner trains eagerly, as without it.
+the capture is thread-local, on a stream of its own. A capture that fails is logged and the learner goes on
+without it.
 """
 
 from __future__ import annotations
