@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
-# One device call of checks that need CUDA and answer open questions (docs/benchmarks.md, "Next"), each under its
-# own time limit so one that hangs does not take the others' time:
-#   1. the GPU tests not yet run on CUDA: the compiled consistency step against eager at the atari size
-#      (learner.consistency_targets), and the inference GPU tests (the channel fast path shares their batcher);
-#   2. `rayzero bench selfplay --rows cpu,preset`: CPU-search mode on the GPU host after the channel fast path
-#      and the batched slot checks (463 env steps/s before them, 12 actors x 16 envs), beside GPU-search mode,
-#      both at the preset's 64 envs per actor with the host's actors.
+# One device call (~7 minutes), the checks before the next Pong runs:
+# 1. scripts/device_bisect3.sh (~3.5 minutes): the compiled step's gradients with the mix-order fix, the eager
+#    step replayed as one CUDA graph (learner.step_graph) against plain eager, and the GPU tests of the
+#    consistency step, the step graph and the per-row search graph;
+# 2. scripts/learner_cost.py: the preset's update alone on the GPU, compiled with inductor's CUDA graphs (the
+#    preset), compiled without them under the step graph, eager with and without the step graph, and batch 512.
 #
-#   source .device/install.sh && bash scripts/device_checks.sh      # about 5.5 minutes; logs under $OUT
+#   source .device/install.sh && bash scripts/device_checks.sh      # logs under $OUT
 set -u
 out=${OUT:-/tmp/device_checks}
-mkdir -p "$out"
-timeout 140 python3 -m pytest -q tests/test_learner_gpu.py tests/test_inference_gpu.py \
-    -k "compiled_consistency or served or bad_requests or selfplay_halves" > "$out/pytest_gpu.txt" 2>&1
-tail -3 "$out/pytest_gpu.txt"
-timeout "${BENCH_TIMEOUT:-170}" python3 -m rayzero bench selfplay --rows cpu,preset --seconds 10 \
-    --json "$out/bench_selfplay.json" > "$out/bench_selfplay.txt" 2>&1
-grep "^served" "$out/bench_selfplay.txt" || tail -5 "$out/bench_selfplay.txt"
+mkdir -p "$out/bisect"
+OUT="$out/bisect" LIMIT="${BISECT_LIMIT:-200}" bash scripts/device_bisect3.sh
+timeout "${COST_LIMIT:-300}" python3 scripts/learner_cost.py --variants "${VARIANTS:-preset,default_graph,eager,eager_graph,batch_512}" \
+    --json "$out/learner_cost.json" > "$out/learner_cost.txt" 2>&1
+tail -9 "$out/learner_cost.txt"
