@@ -35,7 +35,8 @@ class ColocatedLearner(InferenceServer):
     def _make_learner(learner_args: tuple) -> Learner:
         """In the learner thread: its CUDA work goes to a stream of its own, beside the inference streams."""
         if learner_args[1].device != "cpu" and torch.cuda.is_available():
-            torch.cuda.set_stream(torch.cuda.Stream())  # before the learner's first CUDA work
+            # Before the learner's first CUDA work; the default (lowest) priority, below the inference streams'.
+            torch.cuda.set_stream(torch.cuda.Stream())
         return Learner(*learner_args)
 
     async def learner_call(self, method: str, *args: Any, **kwargs: Any) -> Any:

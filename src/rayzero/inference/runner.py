@@ -26,6 +26,7 @@ from rayzero.tree.noise import row_defaults
 
 IDX_ROWS = 7  # src slot, action, dst slot, cache hit entry, cache hit dst slot, cache insert entry, its slot
 SRC, ACT, DST, HIT_SRC, HIT_DST, INS_ENTRY, INS_SLOT = range(IDX_ROWS)
+HIGHEST_PRIORITY = -100  # torch maps a stream priority beyond the device's range to the range's end
 SEARCH_GRAPHS_PER_BUCKET = 4  # captured search configs kept per bucket (least recently used evicted)
 
 
@@ -149,8 +150,11 @@ class Runner:
             self.generator = torch.Generator().manual_seed(seed)
             return
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.stream = torch.cuda.Stream(self.device)
-        self.copy_stream = torch.cuda.Stream(self.device)
+        # The highest stream priority: where the learner shares this process (cluster.colocate_learner, on a stream
+        # of the default, lowest priority), the GPU schedules a search's blocks before the learner's waiting ones,
+        # so self-play and evaluation, which wait for each answer, are not queued behind a training step.
+        self.stream = torch.cuda.Stream(self.device, priority=HIGHEST_PRIORITY)
+        self.copy_stream = torch.cuda.Stream(self.device, priority=HIGHEST_PRIORITY)
         self.mempool = torch.cuda.graph_pool_handle()
         M, A = self.M, self.A
         self.static = {
