@@ -27,6 +27,7 @@ from rayzero.logs import first_line, logger
 log = logger(__name__)
 
 Outputs = tuple[torch.Tensor, ...]
+MAX_CAPTURES = 4  # a new batch layout recaptures; past this many the learner goes on without the graph
 
 
 class StepGraph:
@@ -53,6 +54,8 @@ class StepGraph:
         """One update on `tensors` at learning rate `lr`. A new layout (or the first call) runs the update
         eagerly on a side stream, as the capture's warm-up, and captures the graph for the next one."""
         self.lr.fill_(lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr  # what the graph reads is the tensor; this keeps the optimizer's own state (checkpoints) true
         if self.graph is not None and self._layout(tensors) == self.layout:
             with torch.no_grad():
                 for key, tensor in tensors.items():
@@ -62,6 +65,11 @@ class StepGraph:
         return self._capture(tensors)
 
     def _capture(self, tensors: dict[str, torch.Tensor]) -> Outputs:
+        if self.captures >= MAX_CAPTURES:  # batches whose layout keeps changing: each capture syncs the device
+            self.drop()
+            self.failed = True
+            log.warning(f"the learner's batches changed layout {self.captures} times; the step graph is off")
+            return self.body(tensors)
         self.drop()
         self.inputs = {key: tensor.clone() for key, tensor in tensors.items()}
         self.layout = self._layout(self.inputs)
