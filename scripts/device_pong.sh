@@ -19,7 +19,7 @@ mkdir -p "$out"
 timeout -k 10 "${TRAIN_TIMEOUT:-$((limit + 90))}" python3 -m rayzero train --config atari --out "/tmp/$name" --time-limit "$limit" "$@" \
     > "$out/train.out" 2> "$out/train.log"
 for f in metrics.jsonl summary.json learning_curve.png plan.json; do cp "/tmp/$name/$f" "$out/" 2>/dev/null; done
-python3 scripts/lab_row.py "/tmp/$name" --dmon "$out/dmon.txt" --at "120,300,$limit"
+python3 scripts/lab_row.py "/tmp/$name" --dmon "$out/dmon.txt" --at "60,120,180,300,$limit"
 [ "${PROBE:-1}" = 1 ] && timeout 90 python3 scripts/search_probe.py --checkpoint "/tmp/$name" --device "${PROBE_DEVICE:-cuda}" --envs 16 --steps 200 --every 20 \
     --json "$out/probe.json" 2>&1 | grep -v "A.L.E\|Stella"
 # GIF=1: one greedy game of the final checkpoint as $out/agent.gif (a run that ended cleanly has one).
