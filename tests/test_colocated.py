@@ -23,10 +23,18 @@ def test_one_gpu_host_gets_one_actor_with_the_whole_gpu_for_the_learner_and_infe
     assert not cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 1.0}).colocated
 
 
-def test_colocation_without_a_central_inference_actor_or_with_learner_ranks_is_a_config_error():
-    local = config_lib.load("cartpole", ["cluster.colocate_learner=true"])  # a laptop: inference is local
-    with pytest.raises(ConfigError, match=r"colocate_learner=true needs central inference.*'local'"):
-        cluster.plan(local, {"CPU": 2.0})
+def test_colocation_applies_only_where_the_learner_shares_the_inference_actors_gpu():
+    """A preset may ask for it everywhere: a laptop (inference local) and a host whose two roles get GPUs of their
+    own run without it, and the plan's table says why; learner ranks contradict it (a config error)."""
+    local = cluster.plan(config_lib.load("cartpole", ["cluster.colocate_learner=true"]), {"CPU": 2.0})
+    assert not local.colocated and local.inference is None
+    assert "colocate_learner not applied: inference is 'local'" in local.table()
+    two = cluster.plan(config_lib.load("atari", ["cluster.colocate_learner=true", "cluster.learner_gpus=1",
+                                                 "cluster.inference_gpus=1"]), {"CPU": 16.0, "GPU": 2.0})
+    assert not two.colocated and "GPUs of their own" in two.table()
+    cpu_central = cluster.plan(config_lib.load("cartpole", ["cluster.colocate_learner=true",
+                                                            "inference.mode=central"]), {"CPU": 4.0})
+    assert cpu_central.colocated and not cpu_central.colocation_skipped
     with pytest.raises(ConfigError, match=r"colocate_learner.*num_learners > 1"):
         config_lib.load("cartpole", ["cluster.colocate_learner=true", "cluster.num_learners=2"])
 

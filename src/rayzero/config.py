@@ -479,9 +479,10 @@ class ClusterConfig:
     inference_gpus: float = 0.0
     """GPUs for the central inference actor."""
     colocate_learner: bool = False
-    """Run the learner inside the central inference actor's process (cluster/colocated.py): one CUDA context,
-    with the learner on a stream of its own, instead of two processes taking turns on the GPU. One learner, and
-    central inference, only. The actor gets both roles' CPUs and GPUs."""
+    """Run the learner inside the central inference actor's process (cluster/colocated.py) where the two share one
+    GPU (or have none): one CUDA context, with the learner on a stream of its own, instead of two processes taking
+    turns on the GPU. The actor gets both roles' CPUs and GPUs. One learner only. Where inference is local, or
+    the two roles have GPUs of their own, it is not applied, and the plan's table says why."""
     eval_cpus: float = 0.0
     """CPUs reserved for the evaluation actor."""
     num_reanalyse_workers: int = 1

@@ -87,6 +87,8 @@ class Plan:
     colocated: bool = False
     """The learner runs inside the inference actor's process (cluster.colocate_learner): one actor with both
     roles' CPUs and GPUs."""
+    colocation_skipped: str = ""
+    """Why cluster.colocate_learner was not applied here ('' when it was, or was not asked for)."""
 
     def roles(self) -> dict[str, Role]:
         named = {"replay": self.replay, "learner": self.learner, "selfplay": self.selfplay,
@@ -101,6 +103,8 @@ class Plan:
                          f"{role.envs or '-':>5}")
         if self.colocated:
             lines.append("(the learner runs inside the inference actor's process: cluster.colocate_learner)")
+        if self.colocation_skipped:
+            lines.append(f"(cluster.colocate_learner not applied: {self.colocation_skipped})")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -164,10 +168,15 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     if share:
         inference_gpus = 1.0 - SHARED_GPU_LEARNER
     inference_device = "cuda" if inference_gpus > 0 else "cpu"
+    # Colocation is for a learner and an inference actor that share one GPU (or have none): in one process their
+    # kernels share the GPU by streams instead of time slices. On GPUs of their own it would put both roles on
+    # the first; without an inference actor there is nothing to share. So a preset can ask for it everywhere.
+    skipped = ""
     if c.colocate_learner and mode != "central":
-        raise ConfigError(f"cluster.colocate_learner=true needs central inference, but inference is {mode!r} here "
-                          f"(inference.mode={config.inference.mode!r}, {gpus:g} GPUs): set inference.mode=central "
-                          "or cluster.colocate_learner=false")
+        skipped = f"inference is {mode!r} here (inference.mode={config.inference.mode!r}, {gpus:g} GPUs)"
+    elif c.colocate_learner and learner_gpus + inference_gpus > 1.0:
+        skipped = (f"the learner ({learner_gpus:g}) and the inference actor ({inference_gpus:g}) have GPUs of their "
+                   "own here")
     whole_search = mode == "central" and inference_device == "cuda" and config.search.device != "cpu"
     # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
@@ -189,6 +198,7 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         learner_group=learner_ranks(c.num_learners, c.learner_cpus, learner_gpus) if c.num_learners > 1 else None,
         whole_search=whole_search,
         autoscaler_bundles=tuple({"CPU": c.selfplay_cpus} for _ in range(num_selfplay)) if c.request_resources else (),
-        colocated=c.colocate_learner,
+        colocated=c.colocate_learner and not skipped,
+        colocation_skipped=skipped,
         reanalyse_on_inference=config.reanalyse.fraction > 0 and c.reanalyse_gpus == 0 and whole_search,
     )
