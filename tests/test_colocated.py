@@ -39,6 +39,22 @@ def test_colocation_applies_only_where_the_learner_shares_the_inference_actors_g
         config_lib.load("cartpole", ["cluster.colocate_learner=true", "cluster.num_learners=2"])
 
 
+def test_the_colocated_learner_compiles_without_inductors_cuda_graphs_and_graphs_the_step_itself():
+    """In the learner thread, reduce-overhead (inductor's CUDA graphs, main-thread only before torch's fix of
+    pytorch/pytorch#123177) becomes mode 'default' under the learner's own step graph; with the step graph off, or
+    another mode asked for, the settings stay as they are."""
+    from rayzero.cluster.colocated import thread_safe_compile
+
+    preset = config_lib.load("atari").learner
+    assert preset.compile_mode == "reduce-overhead" and preset.step_graph
+    assert thread_safe_compile(preset).compile_mode == "default"
+    assert thread_safe_compile(preset).step_graph
+    no_graph = config_lib.load("atari", ["learner.step_graph=false"]).learner
+    assert thread_safe_compile(no_graph) == no_graph
+    other = config_lib.load("atari", ["learner.compile_mode=max-autotune"]).learner
+    assert thread_safe_compile(other) == other
+
+
 @pytest.mark.slow
 def test_a_colocated_run_trains_serves_self_play_and_resumes(tmp_path):
     """On a real local Ray (CPU): the learner trains through the colocated actor while it serves self-play's

@@ -300,3 +300,35 @@ def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it():
     for name in ("loss", "grad_norm", "value_loss", "consistency_loss"):
         np.testing.assert_allclose([m[name] for m in graph], [m[name] for m in plain], rtol=2e-3, atol=1e-5,
                                    err_msg=name)
+
+
+def test_a_learner_in_a_thread_of_its_own_trains_compiled_under_the_step_graph():
+    """The colocated learner's case (cluster/colocated.py): built and trained in a thread other than the main
+    one, on a stream of its own, with the settings `thread_safe_compile` gives the preset's; its step compiles in
+    mode 'default' and then replays as the learner's own CUDA graph."""
+    import concurrent.futures
+
+    from rayzero.cluster.colocated import thread_safe_compile
+
+    model = ModelConfig(kind="resnet", channels=16, blocks=1, support_size=10, reduced_channels=4, head_hidden=16)
+    cfg = thread_safe_compile(LearnerConfig(batch_size=32, device="cuda", compile=True, compile_check_steps=2,
+                                            lr_warmup_steps=0))
+    replay = ReplayBuffer(ReplayConfig(capacity=2000, unroll_steps=3, td_steps=3, min_size=0), seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        replay.add(Segment(obs=rng.integers(0, 256, size=(100, 3, 32, 32), dtype=np.uint8),
+                           actions=rng.integers(0, 4, 100), rewards=rng.normal(size=100).astype(np.float32),
+                           policies=rng.dirichlet(np.ones(4), size=100).astype(np.float32),
+                           root_values=rng.normal(size=100).astype(np.float32), num_sampleable=96,
+                           terminal=False, bootstrap_value=0.3))
+
+    def train():
+        torch.cuda.set_stream(torch.cuda.Stream())
+        learner = Learner(model, cfg, (3, 32, 32), 4, seed=0)
+        losses = [learner.step(replay.sample(32))[0]["loss"] for _ in range(30)]
+        return learner.compile_state, learner.graph_updates, losses
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        state, replays, losses = pool.submit(train).result()
+    assert state == "on:default" and replays == 27, (state, replays)
+    assert np.isfinite(losses).all() and np.mean(losses[-5:]) < np.mean(losses[:5])

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 from typing import Any
 
 import torch
 
+from rayzero.config import LearnerConfig
 from rayzero.inference.server import InferenceServer
 from rayzero.learner import Learner
+from rayzero.logs import logger
+
+log = logger(__name__)
 
 __all__ = ["ColocatedLearner", "LearnerHandle"]
 
@@ -34,6 +39,7 @@ class ColocatedLearner(InferenceServer):
     @staticmethod
     def _make_learner(learner_args: tuple) -> Learner:
         """In the learner thread: its CUDA work goes to a stream of its own, beside the inference streams."""
+        learner_args = (learner_args[0], thread_safe_compile(learner_args[1]), *learner_args[2:])
         if learner_args[1].device != "cpu" and torch.cuda.is_available():
             # Before the learner's first CUDA work; the default (lowest) priority, below the inference streams'.
             torch.cuda.set_stream(torch.cuda.Stream())
@@ -46,6 +52,19 @@ class ColocatedLearner(InferenceServer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._learner_thread,
                                           functools.partial(getattr(self.learner, method), *args, **kwargs))
+
+
+def thread_safe_compile(cfg: LearnerConfig) -> LearnerConfig:
+    """The learner's settings for a thread other than the main one. Inductor's CUDA graphs ('reduce-overhead')
+    keep per-thread state that torch before the fix of pytorch/pytorch#123177 (torch 2.11 on the GPU host) sets up
+    for the main thread only, so the colocated learner compiles in mode 'default' and replays the whole step as one
+    CUDA graph of its own (learner.step_graph, which does not use inductor's). The background helper, a process of
+    its own, compiles the same mode, so the cache it fills is the one looked up here."""
+    if cfg.compile_mode == "reduce-overhead" and cfg.step_graph:
+        log.info("colocated learner: compiling in mode 'default', the whole step replayed as one CUDA graph "
+                 "(learner.step_graph), not with inductor's CUDA graphs, which need the main thread")
+        return dataclasses.replace(cfg, compile_mode="default")
+    return cfg
 
 
 class _Method:
