@@ -29,7 +29,7 @@ CHECK=8 run cache512_checked --compile --batch 512 --path cache
 timeout "$limit" python3 -m pytest -q tests/test_learner_gpu.py tests/test_tree_gpu.py -k "consistency or per_row or step_graph" \
     > "$out/pytest_gpu.txt" 2>&1 &
 wait
-tail -3 "$out/pytest_gpu.txt"
+grep -E "^(FAILED|ERROR)" "$out/pytest_gpu.txt" | cut -c1-300; tail -1 "$out/pytest_gpu.txt"
 for f in "$out"/probe_*.txt; do
     echo "== $(basename "$f" .txt)"
     grep "step " "$f" | grep -v "compiled step" | sed 's/^.*: step/step/' \
