@@ -96,8 +96,8 @@ class StepGraph:
                 self.failed = True
                 self.outputs, self.inputs, self.layout = (), {}, None
                 self.optimizer.zero_grad(set_to_none=True)
-                log.warning(f"capturing the learner's eager step as a CUDA graph failed ({type(error).__name__}: "
-                            f"{first_line(error, 300)}); training eagerly")
+                log.warning(f"capturing the learner's step as a CUDA graph failed ({type(error).__name__}: "
+                            f"{first_line(error, 300)}); training without it")
                 return warm
         finally:
             for group, lr in zip(groups, float_lrs):
