@@ -36,7 +36,8 @@ def main() -> None:
         last = before[-1]
         train = [r["train_return_mean"] for r in before if r.get("train_return_mean") is not None]
         print(f"  by {t:4.0f} s: updates {last.get('learner_steps', 0):7,d}  env steps {last.get('env_steps', 0):9,d}"
-              f"  train return {train[-1] if train else float('nan'):6.1f}")
+              f"  train return {train[-1] if train else float('nan'):6.1f}"
+              + (f"  through the step graph {last['graph_updates']:,d}" if last.get("graph_updates") else ""))
     for r in rows:
         if r.get("eval_return_mean") is not None:
             print(f"  eval at {r['wall_seconds']:4.0f} s: {r['eval_return_mean']:6.1f} +- {r.get('eval_return_std', 0):.1f}"
