@@ -273,16 +273,12 @@ def test_the_step_graph_runs_while_the_background_compile_does_and_then_gives_wa
     assert learner.graph_updates == during and learner._step_graph.graph is None
 
 
-def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it():
-    """learner.step_graph over the step compiled in inductor's 'default' mode (no CUDA graphs of its own): once the
-    compiled step's first updates are watched and checked, one graph replays the compiled kernels, the side steps
-    and the optimizer; its updates equal the same compiled step's without the graph."""
-    model = ModelConfig(kind="resnet", channels=16, blocks=1, support_size=10, reduced_channels=4, head_hidden=16)
-    base = dict(batch_size=32, device="cuda", compile=True, compile_mode="default", compile_check_steps=2,
-                target_update_interval=3, consistency_weight=2.0, consistency_dim=32, optimizer="sgd", lr=0.1,
-                lr_warmup_steps=6, background_compile=False)
-    replay = ReplayBuffer(ReplayConfig(capacity=2000, unroll_steps=3, td_steps=3, min_size=0, bootstrap_obs=True,
-                                       next_obs=True), seed=0)
+SMALL_RESNET = ModelConfig(kind="resnet", channels=16, blocks=1, support_size=10, reduced_channels=4, head_hidden=16)
+
+
+def _small_image_replay(**replay_options) -> ReplayBuffer:
+    """A replay of four random 3x32x32 image segments (4 actions) for the small ResNet."""
+    replay = ReplayBuffer(ReplayConfig(capacity=2000, unroll_steps=3, td_steps=3, min_size=0, **replay_options), seed=0)
     rng = np.random.default_rng(0)
     for _ in range(4):
         replay.add(Segment(obs=rng.integers(0, 256, size=(100, 3, 32, 32), dtype=np.uint8),
@@ -290,6 +286,18 @@ def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it():
                            policies=rng.dirichlet(np.ones(4), size=100).astype(np.float32),
                            root_values=rng.normal(size=100).astype(np.float32), num_sampleable=96,
                            terminal=False, bootstrap_value=0.3))
+    return replay
+
+
+def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it():
+    """learner.step_graph over the step compiled in inductor's 'default' mode (no CUDA graphs of its own): once the
+    compiled step's first updates are watched and checked, one graph replays the compiled kernels, the side steps
+    and the optimizer; its updates equal the same compiled step's without the graph."""
+    model = SMALL_RESNET
+    base = dict(batch_size=32, device="cuda", compile=True, compile_mode="default", compile_check_steps=2,
+                target_update_interval=3, consistency_weight=2.0, consistency_dim=32, optimizer="sgd", lr=0.1,
+                lr_warmup_steps=6, background_compile=False)
+    replay = _small_image_replay(bootstrap_obs=True, next_obs=True)
     batches = [replay.sample(32) for _ in range(10)]
     runs = {}
     for graphed in (False, True):
@@ -310,17 +318,10 @@ def test_a_learner_in_a_thread_of_its_own_trains_compiled_under_the_step_graph()
 
     from rayzero.cluster.colocated import thread_safe_compile
 
-    model = ModelConfig(kind="resnet", channels=16, blocks=1, support_size=10, reduced_channels=4, head_hidden=16)
+    model = SMALL_RESNET
     cfg = thread_safe_compile(LearnerConfig(batch_size=32, device="cuda", compile=True, compile_check_steps=2,
                                             lr_warmup_steps=0))
-    replay = ReplayBuffer(ReplayConfig(capacity=2000, unroll_steps=3, td_steps=3, min_size=0), seed=0)
-    rng = np.random.default_rng(0)
-    for _ in range(4):
-        replay.add(Segment(obs=rng.integers(0, 256, size=(100, 3, 32, 32), dtype=np.uint8),
-                           actions=rng.integers(0, 4, 100), rewards=rng.normal(size=100).astype(np.float32),
-                           policies=rng.dirichlet(np.ones(4), size=100).astype(np.float32),
-                           root_values=rng.normal(size=100).astype(np.float32), num_sampleable=96,
-                           terminal=False, bootstrap_value=0.3))
+    replay = _small_image_replay()
 
     def train():
         torch.cuda.set_stream(torch.cuda.Stream())
