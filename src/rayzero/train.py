@@ -452,7 +452,7 @@ class Driver:
         self.counters.learner_steps = result["learner_steps"]
         self.learner_version = result["version"]
         self.schedule.learned(self.counters)
-        # The learner's float metrics, and how many of its updates replayed the eager step's graph
+        # The learner's float metrics, and how many of its updates went through the step graph
         # (learner.step_graph).
         self.last_metrics = {k: v for k, v in result.items() if isinstance(v, float) or k == "graph_updates"}
 

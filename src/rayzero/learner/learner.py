@@ -347,11 +347,16 @@ class Learner:
             helper.wait(timeout=10)
             background.clean_up(helper)
 
-    def _loss_and_backward(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        use_bf16 = self.cfg.bf16 and self.device.type == "cuda"
+    def _autocast(self, in_graph: bool = False) -> torch.autocast:
+        """bf16 autocast on CUDA (learner.bf16); in_graph: for the step graph, without the cache of cast weights,
+        which CUDA-graph capture does not support."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.bf16 and self.device.type == "cuda", cache_enabled=not in_graph)
+
+    def _loss_and_backward(self, tensors: dict[str, torch.Tensor], in_graph: bool = False) -> tuple[torch.Tensor, ...]:
         if self._graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        with self._autocast(in_graph):
             loss, stats, priorities = self._forward(tensors)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -405,17 +410,14 @@ class Learner:
 
     def _step_inputs(self, tensors: dict[str, torch.Tensor], in_graph: bool = False) -> dict[str, torch.Tensor]:
         """The batch with what the loss needs computed beforehand: target-network bootstraps folded into the value
-        targets, and the consistency targets in place of the next observations. in_graph: for the step graph
-        (autocast without its cache of cast weights, which CUDA-graph capture does not support)."""
+        targets, and the consistency targets in place of the next observations. in_graph: for the step graph."""
         cfg = self.cfg
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                  enabled=cfg.bf16 and self.device.type == "cuda", cache_enabled=not in_graph)
         if self.target is not None:
-            with autocast:
+            with self._autocast(in_graph):
                 boot = self._bootstrap(self.target, tensors["bootstrap_obs"], self.channels_last).float()
             tensors = dict(tensors, target_values=tensors["target_values"] + tensors["bootstrap_scale"] * boot)
         if self.consistency is not None and cfg.consistency_targets == "separate":
-            with autocast:
+            with self._autocast(in_graph):
                 targets = self._consistency_targets(tensors["next_obs"])
             tensors = {**{k: v for k, v in tensors.items() if k != "next_obs"}, "consistency_targets": targets}
         return tensors
@@ -440,12 +442,7 @@ class Learner:
     def _graph_body(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The whole update (eager, or compiled without CUDA graphs), as learner.step_graph captures it: no host
         sync, no Python-side state."""
-        tensors = self._step_inputs(tensors, in_graph=True)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16 and self.device.type == "cuda",
-                            cache_enabled=False):
-            loss, stats, priorities = self._switch(tensors)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats, priorities = self._loss_and_backward(self._step_inputs(tensors, in_graph=True), in_graph=True)
         grad_norm = self._clip_and_step(None)
         return loss.detach(), stats, priorities, grad_norm
 
@@ -502,8 +499,7 @@ class Learner:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, self.device)
-        use_bf16 = self.cfg.bf16 and self.device.type == "cuda"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        with self._autocast():
             loss, stats, priorities = self.loss_module(tensors)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
