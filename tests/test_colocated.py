@@ -12,7 +12,9 @@ from test_train import SMALL, rayzero
 
 
 def test_one_gpu_host_gets_one_actor_with_the_whole_gpu_for_the_learner_and_inference():
-    cfg = config_lib.load("atari", ["cluster.colocate_learner=true"])
+    """The `atari` preset as it is, on a 1-GPU/16-CPU host: one actor for both roles; the preset on a 2-CPU laptop
+    (inference local) runs without it, and `cluster.colocate_learner=false` gives two processes."""
+    cfg = config_lib.load("atari")
     plan = cluster.plan(cfg, {"CPU": 16.0, "GPU": 1.0})
     assert plan.colocated and plan.whole_search
     assert plan.learner.gpus + plan.inference.gpus == 1.0
@@ -20,7 +22,10 @@ def test_one_gpu_host_gets_one_actor_with_the_whole_gpu_for_the_learner_and_infe
     assert options["num_gpus"] == 1.0 and options["num_cpus"] == plan.inference.cpus + plan.learner.cpus
     assert options["max_concurrency"] == 1000  # the inference server's many calls in flight
     assert "inside the inference actor" in plan.table()
-    assert not cluster.plan(config_lib.load("atari"), {"CPU": 16.0, "GPU": 1.0}).colocated
+    assert not cluster.plan(config_lib.load("atari", ["cluster.colocate_learner=false"]),
+                            {"CPU": 16.0, "GPU": 1.0}).colocated
+    laptop = cluster.plan(cfg, {"CPU": 2.0})
+    assert not laptop.colocated and laptop.inference is None and "not applied" in laptop.table()
 
 
 def test_colocation_applies_only_where_the_learner_shares_the_inference_actors_gpu():

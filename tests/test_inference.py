@@ -209,9 +209,14 @@ def test_release_and_pool_exhaustion():
             await srv.initial("a", np.zeros((3, 4), dtype=np.float32))
         # Another client reclaims the least recently used client's slots.
         await srv.initial("b", np.zeros((5, 4), dtype=np.float32))
-        with pytest.raises(InferenceError, match="unknown latent handles"):
+        with pytest.raises(InferenceError, match=r"unknown latent handles for client 'a' \(reclaimed: the pool of "
+                           r"inference.latent_pool_size=6 ran short"):
             await srv.recurrent("a", first["handles"], np.zeros(4, dtype=np.int64))
         assert await srv.release("b") == 5
+        # A new search of 'a' clears the mark: handles it never had are just unknown.
+        await srv.initial("a", np.zeros((1, 4), dtype=np.float32))
+        with pytest.raises(InferenceError, match=r"\(released or never allocated\)"):
+            await srv.recurrent("a", first["handles"][1:], np.zeros(3, dtype=np.int64))
 
     asyncio.run(go())
 
@@ -831,5 +836,5 @@ def test_a_batch_that_needs_more_slots_than_are_free_reclaims_as_one_request_at_
                         pool.reclaimed_clients))
     assert answers[0] == answers[1]
     (slots_a, error_b), free, reclaimed = answers[0]
-    assert sorted(slots_a) == [0, 5] and "unknown latent handles for client 'b'" in error_b
+    assert sorted(slots_a) == [0, 5] and "unknown latent handles for client 'b' (reclaimed" in error_b
     assert free == 0 and reclaimed == 1

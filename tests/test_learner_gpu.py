@@ -208,6 +208,8 @@ def _atari_batches(overrides: list[str], num: int, size: int):
     return cfg, [replay.sample(size) for _ in range(num)]
 
 
+@pytest.mark.xfail(strict=True, reason="torch 2.11's inductor computes this step's gradients wrong at batch 128 and "
+                   "512 even with mix-order reduction off (eleventh session); the compile check catches it (below)")
 def test_compiled_consistency_step_follows_the_eager_one_at_the_atari_size():
     """The `atari` preset's learner with the consistency loss, compiled with CUDA graphs, against eager on the
     same batches: the gradient norms stay together. With the targets inside the graphed step (consistency_targets
@@ -226,6 +228,18 @@ def test_compiled_consistency_step_follows_the_eager_one_at_the_atari_size():
     np.testing.assert_allclose(norms[True], norms[False], rtol=0.25)
 
 
+def test_the_compile_check_trains_with_eager_gradients_where_the_compiled_step_is_wrong():
+    """learner.compile_check_steps on the batches above, the preset's settings otherwise: whatever inductor makes of
+    the step, the updates' gradient norms follow eager's, and a mode caught off them is left for the next."""
+    cfg, batches = _atari_batches([], 12, 128)
+    norms = {}
+    for compiled in (False, True):
+        learner_cfg = dataclasses.replace(cfg.learner, device="cuda", compile=compiled, background_compile=False)
+        learner = Learner(cfg.model, learner_cfg, (12, 96, 96), 6, seed=0)
+        norms[compiled] = [learner.step(b)[0]["grad_norm"] for b in batches]
+    np.testing.assert_allclose(norms[True], norms[False], rtol=0.05)
+
+
 def test_the_step_graph_trains_as_the_eager_step_at_the_atari_size():
     """learner.step_graph: the `atari` preset's eager update (target network, consistency targets, SGD, bf16)
     replayed as one CUDA graph gives the eager updates' losses, gradient norms and weights, with a learning
@@ -241,9 +255,15 @@ def test_the_step_graph_trains_as_the_eager_step_at_the_atari_size():
                          learner.graph_updates)
     (eager, eager_weights, none), (graph, graph_weights, replays) = runs[False], runs[True]
     assert none == 0 and replays == len(batches) - 2  # two eager updates, then the capture's and its replays
-    for name in ("loss", "grad_norm", "value_loss", "consistency_loss"):
-        np.testing.assert_allclose([m[name] for m in graph], [m[name] for m in eager], rtol=2e-3, atol=1e-5,
+    # The same kernels, but not bit for bit: bf16 convolutions' backward sums in no fixed order, and the drift
+    # grows with the updates (on an H200, eleventh session: 0.7 % in the gradient norm by update 7, 1e-3 in the
+    # consistency loss, a negative cosine near 0 here). The first three updates agree to 6 digits. A graph that
+    # missed an input copy, a rate or a zeroed gradient is off by far more.
+    for name, atol in (("loss", 1e-4), ("grad_norm", 1e-4), ("value_loss", 1e-4), ("consistency_loss", 3e-3)):
+        np.testing.assert_allclose([m[name] for m in graph], [m[name] for m in eager], rtol=2e-2, atol=atol,
                                    err_msg=name)
+        np.testing.assert_allclose([m[name] for m in graph][:3], [m[name] for m in eager][:3], rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
     for name, weight in eager_weights.items():
         torch.testing.assert_close(graph_weights[name], weight, rtol=1e-3, atol=1e-4, msg=name)
 
@@ -305,8 +325,8 @@ def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it():
         runs[graphed] = ([learner.step(b)[0] for b in batches], learner.graph_updates, learner.compile_state)
     (plain, none, state), (graph, replays, graph_state) = runs[False], runs[True]
     assert none == 0 and replays == len(batches) - 3 and state == graph_state == "on:default"
-    for name in ("loss", "grad_norm", "value_loss", "consistency_loss"):
-        np.testing.assert_allclose([m[name] for m in graph], [m[name] for m in plain], rtol=2e-3, atol=1e-5,
+    for name in ("loss", "grad_norm", "value_loss", "consistency_loss"):  # tolerance: the Atari-size test's
+        np.testing.assert_allclose([m[name] for m in graph], [m[name] for m in plain], rtol=2e-2, atol=1e-4,
                                    err_msg=name)
 
 

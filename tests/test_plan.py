@@ -97,7 +97,10 @@ def test_the_plan_prints_as_a_table_and_saves_as_json():
     plan = cluster.plan(host_atari(), {"CPU": 16.0, "GPU": 2.0})
     lines = plan.table().splitlines()
     assert lines[0].split() == ["role", "count", "CPUs", "GPUs", "device", "envs"]
-    assert [line.split()[0] for line in lines[1:]] == ["replay", "learner", "selfplay", "evaluation", "inference"]
+    assert [line.split()[0] for line in lines[1:6]] == ["replay", "learner", "selfplay", "evaluation", "inference"]
+    # The preset asks for the colocated learner; with a GPU each, the plan says why it is off.
+    assert lines[6:] == ["(cluster.colocate_learner not applied: the learner (1) and the inference actor (1) have "
+                         "GPUs of their own here)"]
     document = json.loads(json.dumps(plan.as_dict()))
     assert document["inference"]["device"] == "cuda" and document["selfplay"]["envs"] == 64
 
@@ -105,6 +108,19 @@ def test_the_plan_prints_as_a_table_and_saves_as_json():
 def test_search_device_cpu_keeps_the_searches_on_the_self_play_actors():
     plan = cluster.plan(host_atari(["search.device=cpu"]), {"CPU": 16.0, "GPU": 1.0})
     assert plan.inference is not None and plan.inference.device == "cuda" and not plan.whole_search
+
+
+def test_the_latent_pool_holds_every_cpu_searchs_tree_at_once():
+    """CPU-search mode: each env's tree keeps a latent per simulation and its root on the inference actor. 12
+    actors x 128 envs x 51 (the H200's `bench selfplay` cpu128 row) need 78 K slots, more than the default 65,536,
+    whose shortfall reclaimed live searches (eleventh session); the plan gives a quarter more than needed. Whole
+    searches keep none between calls, and the configured size stays where it is enough."""
+    cpu = cluster.plan(host_atari(["search.device=cpu", "env.num_envs=128"]), {"CPU": 16.0, "GPU": 1.0})
+    needed = (cpu.selfplay.count * 128 + 10) * 51
+    assert cpu.selfplay.count == 12 and cpu.latent_slots == needed * 5 // 4
+    small = cluster.plan(host_atari(["search.device=cpu", "env.num_envs=16"]), {"CPU": 16.0, "GPU": 1.0})
+    assert small.latent_slots == 65536
+    assert cluster.plan(host_atari(), {"CPU": 16.0, "GPU": 1.0}).latent_slots == 65536
 
 
 def test_actors_run_at_most_as_many_torch_threads_as_the_cpus_they_reserve():

@@ -159,7 +159,8 @@ class _RemoteReplay(ReplayBuffer):
 
 def _inference_args(config: Config, spec: EnvSpec, p: Plan) -> tuple[tuple, dict[str, Any]]:
     assert p.inference is not None
-    inference_cfg = dataclasses.replace(config.inference, device=p.inference.device)
+    inference_cfg = dataclasses.replace(config.inference, device=p.inference.device,
+                                        latent_pool_size=p.latent_slots or config.inference.latent_pool_size)
     return ((config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
              p.inference.torch_threads(config.cluster.torch_threads)),
             {"obs_dtype": spec.observation_dtype, "search_cfg": config.search, "discount": config.replay.discount})

@@ -89,6 +89,10 @@ class Plan:
     roles' CPUs and GPUs."""
     colocation_skipped: str = ""
     """Why cluster.colocate_learner was not applied here ('' when it was, or was not asked for)."""
+    latent_slots: int = 0
+    """The inference actor's latent pool (inference.latent_pool_size), raised where searches run on the CPU to
+    what their trees hold at once: every self-play and evaluation env's root and simulations. A pool that runs
+    short frees the least recently active client's slots, and that client's search then fails."""
 
     def roles(self) -> dict[str, Role]:
         named = {"replay": self.replay, "learner": self.learner, "selfplay": self.selfplay,
@@ -181,6 +185,12 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
     num_selfplay = max(selfplay_actors(config, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
+    latent_slots = 0
+    if mode == "central":
+        latent_slots = config.inference.latent_pool_size
+        if not whole_search:  # each env's tree keeps its root's and every simulation's latent until it is done
+            envs = num_selfplay * config.env.num_envs + config.run.eval_episodes
+            latent_slots = max(latent_slots, envs * (config.search.num_simulations + 1) * 5 // 4)
     return Plan(
         # A replay shard that crashes is restarted by Ray and reloads its last snapshot (build._RemoteReplay).
         replay=Role(config.replay.shards or c.num_learners, c.replay_cpus, options={"max_restarts": -1}),
@@ -200,5 +210,6 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         autoscaler_bundles=tuple({"CPU": c.selfplay_cpus} for _ in range(num_selfplay)) if c.request_resources else (),
         colocated=c.colocate_learner and not skipped,
         colocation_skipped=skipped,
+        latent_slots=latent_slots,
         reanalyse_on_inference=config.reanalyse.fraction > 0 and c.reanalyse_gpus == 0 and whole_search,
     )

@@ -37,6 +37,7 @@ class LatentPool:
         self._active: collections.OrderedDict[str, float] = collections.OrderedDict()  # oldest first
         self._lock = threading.Lock()
         self.reclaimed_clients = 0
+        self._reclaimed: set[str] = set()  # clients whose slots were taken back, until they allocate again
 
     @property
     def free(self) -> int:
@@ -61,6 +62,20 @@ class LatentPool:
         self._top += len(slots)
         return len(slots)
 
+    def _reclaim(self, client: str) -> None:
+        self._release(client)
+        self.reclaimed_clients += 1
+        self._reclaimed.add(client)
+
+    def _unknown(self, client: str) -> InferenceError:
+        if client in self._reclaimed:
+            why = (f"reclaimed: the pool of inference.latent_pool_size={self.size} ran short, so this idle client's "
+                   "slots went to others; raise it" + (f" or inference.latent_timeout_s={self.timeout_s:g}"
+                                                       if self.timeout_s > 0 else ""))
+        else:
+            why = "released or never allocated"
+        return InferenceError(f"unknown latent handles for client {client!r} ({why})")
+
     def _expire(self, now: float, keep: str) -> None:
         if self.timeout_s <= 0:
             return
@@ -68,8 +83,7 @@ class LatentPool:
             if now - last <= self.timeout_s:
                 break
             if client != keep and client in self._slots:
-                self._release(client)
-                self.reclaimed_clients += 1
+                self._reclaim(client)
 
     def allocate(self, client: str, count: int) -> np.ndarray:
         """[count] int64 fresh slots for `client` (reclaiming idle or least recent clients if needed)."""
@@ -80,8 +94,7 @@ class LatentPool:
                 victim = next((c for c in self._active if c != client and c in self._slots), None)
                 if victim is None:
                     break
-                self._release(victim)
-                self.reclaimed_clients += 1
+                self._reclaim(victim)
             if self._top < count:
                 raise InferenceError(
                     f"latent pool exhausted: {count} slots asked, {self._top} free of inference.latent_pool_size="
@@ -89,6 +102,7 @@ class LatentPool:
                 )
             slots = self._free[self._top - count:self._top][::-1].copy()
             self._top -= count
+            self._reclaimed.discard(client)
             cid = self._ids.setdefault(client, len(self._ids))
             self._owner[slots] = cid
             self._slots.setdefault(client, []).append(slots)
@@ -105,7 +119,7 @@ class LatentPool:
                 raise InferenceError(f"latent handle out of range [0, {self.size}): {low}..{high}")
             cid = self._ids.get(client)
             if cid is None or client not in self._slots or not (self._owner[handles] == cid).all():
-                raise InferenceError(f"unknown latent handles for client {client!r} (released or never allocated)")
+                raise self._unknown(client)
             self._touch(client, self.clock())
 
     def check_allocate(self, clients: list[str], handles: list[np.ndarray], store: list[bool]
@@ -155,8 +169,7 @@ class LatentPool:
                         refused[i] = InferenceError(
                             f"latent handle out of range [0, {self.size}): {int(h.min())}..{int(h.max())}")
                     elif wrong[rows].any():
-                        refused[i] = InferenceError(
-                            f"unknown latent handles for client {client!r} (released or never allocated)")
+                        refused[i] = self._unknown(client)
         fresh = self._free[self._top - wanted:self._top][::-1].copy()
         out: list[np.ndarray | InferenceError] = []
         owners: list[int] = []
@@ -176,6 +189,7 @@ class LatentPool:
             owners.append(self._ids.setdefault(client, len(self._ids)))
             lengths.append(count)
             self._slots.setdefault(client, []).append(slots)
+            self._reclaimed.discard(client)
             out.append(slots)
         if offset:
             taken = fresh[:offset]

@@ -193,8 +193,11 @@ class Learner:
                 self.loss_module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                 **kernels)
         else:
+            # capturable: AdamW's step counter lives on the GPU, so learner.step_graph can capture its step (a
+            # graph refuses the host-side counter; SGD keeps none).
+            capturable = {"capturable": True} if cuda and cfg.step_graph and not distributed else {}
             self.optimizer = torch.optim.AdamW(self.loss_module.parameters(), lr=cfg.lr,
-                                               weight_decay=cfg.weight_decay, **kernels)
+                                               weight_decay=cfg.weight_decay, **kernels, **capturable)
         self.target = None
         if cfg.target_update_interval:
             self.target = copy.deepcopy(self.model).eval().requires_grad_(False)
