@@ -43,6 +43,10 @@ def main() -> None:
             print(f"  eval at {r['wall_seconds']:4.0f} s: {r['eval_return_mean']:6.1f} +- {r.get('eval_return_std', 0):.1f}"
                   f" ({r.get('eval_episodes')} games, {r.get('eval_seconds', 0):.0f} s, version {r.get('eval_last_version')},"
                   f" updates {r.get('learner_steps')})")
+            if r.get("eval_steps") and r.get("eval_search_seconds") is not None:  # ms per step, and where it went
+                per = {k: 1e3 * r.get(f"eval_{k}_seconds", 0.0) / r["eval_steps"] for k in ("search", "queue", "device", "env")}
+                print(f"      {r['eval_steps']} steps, {1e3 * r['eval_seconds'] / r['eval_steps']:.1f} ms each: search "
+                      f"{per['search']:.1f} (queued {per['queue']:.1f}, on the GPU {per['device']:.1f}), env {per['env']:.1f}")
     evaluated = [r for r in rows if r.get("eval_return_mean") is not None]
     if evaluated:  # the report: the first evaluation at or above each return
         firsts = {t: next((r["wall_seconds"] for r in evaluated if r["eval_return_mean"] >= t), None)

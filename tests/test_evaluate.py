@@ -39,6 +39,11 @@ def test_evaluation_through_the_inference_actor_plays_the_local_evaluations_epis
     assert remote["version"] == remote["last_version"] == 7  # the weights the inference actor searched with
     assert 0 < remote["steps"] <= 60
     assert not np.isnan(remote["mean"])
+    # Where its time went: each step's search round trip, of which the inference actor's queue and device time
+    # are parts, and the env steps; a local evaluation has no inference actor to ask.
+    assert remote["search_seconds"] + remote["env_seconds"] <= remote["seconds"]
+    assert 0 < remote["queue_seconds"] + remote["device_seconds"] < remote["search_seconds"]
+    assert local["search_seconds"] > 0 and local["queue_seconds"] == local["device_seconds"] == 0
 
 
 def _mountain_car_worker():

@@ -534,7 +534,9 @@ class Driver:
             "learner_steps": self.counters.learner_steps, "version": result["version"],
             "eval_return_mean": result["mean"], "eval_return_std": result["std"],
             "eval_episodes": len(result["returns"]),
-            **{f"eval_{key}": result[key] for key in ("seconds", "steps", "last_version") if key in result},
+            **{f"eval_{key}": result[key] for key in ("seconds", "steps", "last_version", "search_seconds",
+                                                       "env_seconds", "queue_seconds", "device_seconds")
+               if key in result},
         })
         log.info("eval v%d: %.1f ± %.1f over %d episodes", result["version"], result["mean"], result["std"],
                  len(result["returns"]))

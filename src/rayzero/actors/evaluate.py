@@ -26,12 +26,15 @@ def greedy(search_cfg: SearchConfig) -> SearchConfig:
 def play_episodes(
     env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int,
     versions: list[int] | None = None, stop: Callable[[], bool] | None = None,
+    timing: dict[str, float] | None = None,
 ) -> list[float]:
     """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns.
 
     A network with `whole_search` (the inference actor on a GPU) runs each step's search there, with the
     weights it holds at that moment; `versions`, when given, receives the weight version of every step.
-    `stop`, asked before every step, ends the episodes where they are (their returns so far)."""
+    `stop`, asked before every step, ends the episodes where they are (their returns so far). `timing`, when
+    given, adds up seconds: `search` (each step's search, a round trip when remote), `env` (the env steps), and
+    for remote searches `queue` and `device` (the inference actor's: before launch, and the batch on the GPU)."""
     env = make_vector_env(env_cfg, episodes, seed, training=False)
     config = greedy(search_cfg)
     generator = torch.Generator().manual_seed(seed)
@@ -40,18 +43,25 @@ def play_episodes(
         obs = env.reset(seed=seed)
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
+        clock = {"search": 0.0, "env": 0.0, "queue": 0.0, "device": 0.0}
         for _ in range(max_steps):
             if stop is not None and stop():
                 break
+            start = time.perf_counter()
             if remote:
                 answer = network.search(obs, config.temperature, dirichlet_fraction=config.dirichlet_fraction,
                                         gumbel_scale=config.gumbel_scale)
                 action = np.asarray(answer["action"])
                 if versions is not None:
                     versions.append(int(answer["version"]))
+                clock["queue"] += answer.get("queue_ms", 0.0) / 1e3
+                clock["device"] += answer.get("device_ms", 0.0) / 1e3
             else:
                 action = search_observations(network, obs, config, generator).action.cpu().numpy()
+            searched = time.perf_counter()
+            clock["search"] += searched - start
             result = env.step(action)
+            clock["env"] += time.perf_counter() - searched
             returns += np.where(done, 0.0, result.reward)
             done |= result.terminated | result.truncated
             obs = result.obs
@@ -59,6 +69,9 @@ def play_episodes(
                 break
     finally:
         env.close()
+        if timing is not None:
+            for key, seconds in clock.items():
+                timing[key] = timing.get(key, 0.0) + seconds
     return returns.tolist()
 
 
@@ -102,11 +115,13 @@ class EvalWorker:
             with self._lock:
                 return token is not None and token in self._cancelled
 
+        timing: dict[str, float] = {}
         returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed, versions,
-                                stop)
+                                stop, timing)
         result = {"version": versions[0] if versions else version, "returns": returns,
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
-                  "seconds": time.perf_counter() - start, "steps": len(versions), "cancelled": stop()}
+                  "seconds": time.perf_counter() - start, "steps": len(versions), "cancelled": stop(),
+                  **{f"{key}_seconds": seconds for key, seconds in timing.items()}}
         if versions:
             result["last_version"] = versions[-1]
         with self._lock:

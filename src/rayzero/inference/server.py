@@ -889,6 +889,9 @@ class InferenceServer:
                 batch.results[i] = InferenceError("search: the search produced NaN for this request (NaN input?)")
                 continue
             answer["version"] = batch.version
+            # Where a caller's wait went (evaluation reports it): queued before launch, and the batch's device time.
+            answer["queue_ms"] = 1e3 * (batch.launched - request.submitted)
+            answer["device_ms"] = 1e3 * batch.flight.gpu_s if batch.flight is not None else 0.0
             batch.results[i] = answer
 
     def _record(self, batch: _Batch) -> None:
