@@ -116,7 +116,7 @@ def test_the_latent_pool_holds_every_cpu_searchs_tree_at_once():
     whose shortfall reclaimed live searches (eleventh session); the plan gives a quarter more than needed. Whole
     searches keep none between calls, and the configured size stays where it is enough."""
     cpu = cluster.plan(host_atari(["search.device=cpu", "env.num_envs=128"]), {"CPU": 16.0, "GPU": 1.0})
-    needed = (cpu.selfplay.count * 128 + 10) * 51
+    needed = cpu.selfplay.count * 128 * 51
     assert cpu.selfplay.count == 12 and cpu.latent_slots == needed * 5 // 4
     small = cluster.plan(host_atari(["search.device=cpu", "env.num_envs=16"]), {"CPU": 16.0, "GPU": 1.0})
     assert small.latent_slots == 65536

@@ -90,9 +90,10 @@ class Plan:
     colocation_skipped: str = ""
     """Why cluster.colocate_learner was not applied here ('' when it was, or was not asked for)."""
     latent_slots: int = 0
-    """The inference actor's latent pool (inference.latent_pool_size), raised where searches run on the CPU to
-    what their trees hold at once: every self-play and evaluation env's root and simulations. A pool that runs
-    short frees the least recently active client's slots, and that client's search then fails."""
+    """The inference actor's latent pool (inference.latent_pool_size; 0 without an inference actor), raised where
+    self-play walks its trees on the CPU to what they hold at once: every env's root and simulations, a quarter
+    more for headroom. A pool that runs short frees the least recently active client's slots, and that client's
+    search then fails."""
 
     def roles(self) -> dict[str, Role]:
         named = {"replay": self.replay, "learner": self.learner, "selfplay": self.selfplay,
@@ -189,8 +190,8 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     if mode == "central":
         latent_slots = config.inference.latent_pool_size
         if not whole_search:  # each env's tree keeps its root's and every simulation's latent until it is done
-            envs = num_selfplay * config.env.num_envs + config.run.eval_episodes
-            latent_slots = max(latent_slots, envs * (config.search.num_simulations + 1) * 5 // 4)
+            trees = num_selfplay * config.env.num_envs * (config.search.num_simulations + 1)
+            latent_slots = max(latent_slots, trees * 5 // 4)
     return Plan(
         # A replay shard that crashes is restarted by Ray and reloads its last snapshot (build._RemoteReplay).
         replay=Role(config.replay.shards or c.num_learners, c.replay_cpus, options={"max_restarts": -1}),
