@@ -26,6 +26,26 @@ from rayzero.learner.learner import METRIC_NAMES, Learner
 from rayzero.replay.buffer import ReplayBuffer, Segment
 
 
+def set_torch_config(setting: str) -> None:
+    """'inductor.a.b=VALUE' sets torch._inductor.config.a.b (functorch.x: torch._functorch.config, dynamo.x:
+    torch._dynamo.config); VALUE is a Python literal. A name the config does not have is an error."""
+    import ast
+    import importlib
+
+    path, _, text = setting.partition("=")
+    root, *names = path.split(".")
+    modules = {"inductor": "torch._inductor.config", "functorch": "torch._functorch.config",
+               "dynamo": "torch._dynamo.config"}
+    if root not in modules or not names or not text:
+        raise SystemExit(f"--torch-config {setting!r}: expected MODULE.NAME=VALUE with MODULE one of {sorted(modules)}")
+    target = importlib.import_module(modules[root])
+    for name in names[:-1]:
+        target = getattr(target, name)
+    if not hasattr(target, names[-1]):
+        raise SystemExit(f"--torch-config {setting!r}: {modules[root]} has no setting {'.'.join(names)!r}")
+    setattr(target, names[-1], ast.literal_eval(text))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -41,6 +61,10 @@ def main() -> None:
     parser.add_argument("--frames", choices=("pong", "noise"), default="pong",
                         help="pong: frames of random Pong play; noise: uniform random frames of the same shape "
                              "(what test_compiled_consistency_step_follows_the_eager_one_at_the_atari_size feeds)")
+    parser.add_argument("--torch-config", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a compiler setting before the first step, e.g. inductor.split_reductions=False, "
+                             "inductor.triton.persistent_reductions=False, functorch.donated_buffer=False "
+                             "(repeatable; scripts/device_bisect4.sh)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = config_mod.load("atari", [
@@ -74,8 +98,10 @@ def main() -> None:
                                root_values=np.zeros(100, np.float32), num_sampleable=100, terminal=False,
                                bootstrap_value=0.0))
     learner = Learner(cfg.model, cfg.learner, tuple(frames.shape[2:]), num_actions, seed=0)
+    for setting in args.torch_config:  # after the learner's own (learner.avoid_miscompiles), before it compiles
+        set_torch_config(setting)
     label = (f"{args.device} {'compiled' if args.compile else 'eager'} {args.path} batch {args.batch} {args.frames} "
-             f"{' '.join(args.overrides)}")
+             f"{' '.join(args.overrides + args.torch_config)}")
     if args.path == "cache":
         from rayzero.learner.prefetch import ObsStore, Staging
 

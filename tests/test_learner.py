@@ -1003,6 +1003,32 @@ def test_a_compiled_step_with_wrong_gradients_is_dropped_and_its_updates_are_eag
         assert torch.equal(a, b)
 
 
+def test_the_compile_check_names_the_parameters_whose_gradients_the_miscompile_got_wrong(monkeypatch, caplog):
+    """A miscompile that writes a wrong gradient into one parameter only: the warning names that one first, with
+    its compiled and eager gradient norms (where to look for the faulty kernel)."""
+    wrong = {}
+
+    def one_parameter_off(module):
+        name, param = max(module.named_parameters(), key=lambda item: item[1].numel())
+        wrong["name"] = name
+
+        def step(batch):
+            loss, stats, priorities = module(batch)
+            return loss + 50.0 * param.square().sum(), stats, priorities
+        return step
+
+    model, base, replay = _consistency_learners()
+    _compiled_as(monkeypatch, one_parameter_off)
+    learner = Learner(model, LearnerConfig(**base, compile=True, compile_check_steps=3), (3, 16, 16), 3, seed=0)
+    with caplog.at_level("WARNING"):
+        learner.step(replay.sample(8))
+    warning = next(r.getMessage() for r in caplog.records if "computed a gradient norm" in r.getMessage())
+    worst = warning.split("Largest differences (compiled / eager gradient norm): ")[1]
+    first, _, norms = worst.split(", ")[0].partition(" ")
+    compiled_norm, eager_norm = (float(x) for x in norms.split(" / "))
+    assert first == wrong["name"] and compiled_norm > 10 * eager_norm
+
+
 def test_a_compiled_step_that_follows_eager_stays_on_after_its_checks(monkeypatch, caplog):
     model, base, replay = _consistency_learners()
     batches = [replay.sample(8) for _ in range(5)]

@@ -102,6 +102,18 @@ def avoid_miscompiles() -> None:
         inductor.triton.mix_order_reduction = False
 
 
+def _worst_gradients(compiled: dict[str, torch.Tensor], module: torch.nn.Module, count: int = 4) -> str:
+    """The `count` parameters whose compiled gradients differ most from the eager ones now in `module`: where a
+    miscompiled kernel wrote (the compile check's report)."""
+    rows = []
+    for name, param in module.named_parameters():
+        if param.grad is not None and name in compiled:
+            eager = param.grad.detach().float()
+            rows.append(((compiled[name] - eager).norm().item(), name, compiled[name].norm().item(), eager.norm().item()))
+    rows.sort(reverse=True)
+    return ", ".join(f"{name} {c:.3g} / {e:.3g}" for _, name, c, e in rows[:count]) or "none"
+
+
 def is_compile_error(error: BaseException) -> bool:
     """Whether a failure of a compiled step is the compiler's (worth a plainer mode): one of torch.compile's
     exception types, or raised from inside dynamo, inductor or CUDA-graph capture. Out-of-memory errors and
@@ -495,6 +507,8 @@ class Learner:
         """The compiled step has left its gradients: rerun the step eagerly from the state before it, compare the
         gradient norms, and keep the eager outputs and gradients. A mismatch moves to the next compile mode."""
         compiled_norm = self._grad_norm()
+        compiled = {name: p.grad.detach().float().clone() for name, p in self.loss_module.named_parameters()
+                    if p.grad is not None}
         buffers, cpu_rng, cuda_rng = before
         with torch.no_grad():
             for buffer, saved in zip(self.loss_module.buffers(), buffers):
@@ -512,7 +526,8 @@ class Learner:
         if not (math.isfinite(compiled_norm) and abs(compiled_norm - eager_norm) <= 0.25 * eager_norm + 1e-6):
             log.warning(f"the compiled step ({mode}) computed a gradient norm of {compiled_norm:.4g} where eager "
                         f"computes {eager_norm:.4g} on the same batch (update {self.steps}); "
-                        f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}")
+                        f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}. Largest "
+                        f"differences (compiled / eager gradient norm): {_worst_gradients(compiled, self.loss_module)}")
             self._next_compile_mode()
         elif not self._check_steps:
             log.info(f"the compiled step ({mode}) followed eager over {self.cfg.compile_check_steps} updates")
