@@ -102,6 +102,16 @@ def avoid_miscompiles() -> None:
         inductor.triton.mix_order_reduction = False
 
 
+def _optimizer(cfg: LearnerConfig, params: Any, cuda: bool, graphed: bool) -> torch.optim.Optimizer:
+    """SGD with momentum or AdamW, fused on CUDA. graphed (learner.step_graph may capture the step): AdamW keeps
+    its step counter on the GPU (`capturable`), which a CUDA graph needs; SGD keeps none."""
+    kernels: dict[str, bool] = {"fused": True} if cuda else {"foreach": True}
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernels)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernels,
+                             **({"capturable": True} if graphed else {}))
+
+
 def _worst_gradients(compiled: dict[str, torch.Tensor], module: torch.nn.Module, count: int = 4) -> str:
     """The `count` parameters whose compiled gradients differ most from the eager ones now in `module`: where a
     miscompiled kernel wrote (the compile check's report)."""
@@ -199,17 +209,7 @@ class Learner:
         if distributed:
             self._join_ranks()
         cuda = self.device.type == "cuda"
-        kernels = {"fused": True} if cuda else {"foreach": True}
-        if cfg.optimizer == "sgd":
-            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
-                self.loss_module.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                **kernels)
-        else:
-            # capturable: AdamW's step counter lives on the GPU, so learner.step_graph can capture its step (a
-            # graph refuses the host-side counter; SGD keeps none).
-            capturable = {"capturable": True} if cuda and cfg.step_graph and not distributed else {}
-            self.optimizer = torch.optim.AdamW(self.loss_module.parameters(), lr=cfg.lr,
-                                               weight_decay=cfg.weight_decay, **kernels, **capturable)
+        self.optimizer = _optimizer(cfg, self.loss_module.parameters(), cuda, cuda and cfg.step_graph and not distributed)
         self.target = None
         if cfg.target_update_interval:
             self.target = copy.deepcopy(self.model).eval().requires_grad_(False)
