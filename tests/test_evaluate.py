@@ -44,6 +44,7 @@ def test_evaluation_through_the_inference_actor_plays_the_local_evaluations_epis
     assert remote["search_seconds"] + remote["env_seconds"] <= remote["seconds"]
     assert 0 < remote["queue_seconds"] + remote["device_seconds"] < remote["search_seconds"]
     assert local["search_seconds"] > 0 and local["queue_seconds"] == local["device_seconds"] == 0
+    assert local["steps"] == remote["steps"]  # the same games, played step for step
 
 
 def _mountain_car_worker():

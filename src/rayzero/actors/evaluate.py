@@ -34,7 +34,8 @@ def play_episodes(
     weights it holds at that moment; `versions`, when given, receives the weight version of every step.
     `stop`, asked before every step, ends the episodes where they are (their returns so far). `timing`, when
     given, adds up seconds: `search` (each step's search, a round trip when remote), `env` (the env steps), and
-    for remote searches `queue` and `device` (the inference actor's: before launch, and the batch on the GPU)."""
+    for remote searches `queue` and `device` (the inference actor's: before launch, and the batch on the GPU);
+    and `steps`, the batched steps played."""
     env = make_vector_env(env_cfg, episodes, seed, training=False)
     config = greedy(search_cfg)
     generator = torch.Generator().manual_seed(seed)
@@ -43,7 +44,7 @@ def play_episodes(
         obs = env.reset(seed=seed)
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
-        clock = {"search": 0.0, "env": 0.0, "queue": 0.0, "device": 0.0}
+        clock = {"search": 0.0, "env": 0.0, "queue": 0.0, "device": 0.0, "steps": 0}
         for _ in range(max_steps):
             if stop is not None and stop():
                 break
@@ -62,6 +63,7 @@ def play_episodes(
             clock["search"] += searched - start
             result = env.step(action)
             clock["env"] += time.perf_counter() - searched
+            clock["steps"] += 1
             returns += np.where(done, 0.0, result.reward)
             done |= result.terminated | result.truncated
             obs = result.obs
@@ -120,7 +122,7 @@ class EvalWorker:
                                 stop, timing)
         result = {"version": versions[0] if versions else version, "returns": returns,
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
-                  "seconds": time.perf_counter() - start, "steps": len(versions), "cancelled": stop(),
+                  "seconds": time.perf_counter() - start, "steps": int(timing.pop("steps", 0)), "cancelled": stop(),
                   **{f"{key}_seconds": seconds for key, seconds in timing.items()}}
         if versions:
             result["last_version"] = versions[-1]
