@@ -129,6 +129,22 @@ def test_bad_segments_are_rejected():
         buffer.sample(4)
 
 
+def test_actions_out_of_range_and_non_finite_targets_are_rejected_with_their_steps():
+    buffer = ReplayBuffer(ReplayConfig(capacity=50, min_size=0))
+    good = segment(5)
+    num_actions = good.policies.shape[1]
+    actions = good.actions.copy()
+    actions[3] = num_actions
+    with pytest.raises(ValueError, match=rf"holds \[{num_actions}\] at steps \[3\]; valid actions are 0..{num_actions - 1}"):
+        buffer.add(good._replace(actions=actions))
+    values = good.root_values.astype(np.float32).copy()
+    values[2] = np.nan
+    with pytest.raises(ValueError, match=r"root_values holds non-finite values at steps \[2\]"):
+        buffer.add(good._replace(root_values=values))
+    buffer.add(good)  # the good segment still goes in: nothing of the bad ones was stored
+    assert buffer.stats()["size"] == 5
+
+
 def test_reanalysed_targets_replace_stored_ones_and_skip_overwritten_positions():
     cfg = ReplayConfig(capacity=20, unroll_steps=2, td_steps=3, discount=0.5, min_size=0)
     buffer = ReplayBuffer(cfg, seed=0)

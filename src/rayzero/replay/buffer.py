@@ -203,6 +203,19 @@ class ReplayBuffer:
                 )
         if not 0 < segment.num_sampleable <= length:
             raise ValueError(f"replay.add: num_sampleable={segment.num_sampleable} must be in [1, {length}]")
+        # Checked here, on the host: on a GPU an action out of range or a non-finite target only shows as a
+        # device-side assert in the learner's one-hot or two-hot scatter, which kills its process.
+        num_actions = segment.policies.shape[1]
+        actions = np.asarray(segment.actions)
+        bad = (actions < 0) | (actions >= num_actions)
+        if bad.any():
+            raise ValueError(f"replay.add: segment.actions holds {actions[bad][:4].tolist()} at steps "
+                             f"{np.flatnonzero(bad)[:4].tolist()}; valid actions are 0..{num_actions - 1}")
+        for name in ("rewards", "policies", "root_values"):
+            values = np.asarray(getattr(segment, name))
+            if not np.isfinite(values).all():
+                raise ValueError(f"replay.add: segment.{name} holds non-finite values at steps "
+                                 f"{np.flatnonzero(~np.isfinite(values).reshape(length, -1).all(1))[:4].tolist()}")
         if self._arrays is not None:
             a = self._arrays
             obs_shape = self._segment_obs_shape(segment)
