@@ -422,6 +422,12 @@ class InferenceConfig:
     """Largest bucket of whole-search CUDA graphs (one per bucket of the ladder up to here, captured at
     start-up for the run's search config; other configs are captured on first use). Bigger search
     requests run eagerly; 0 = no whole-search graphs."""
+    stream_priority: str = "high"
+    """CUDA: which side the GPU schedules first where a learner shares this process (cluster.colocate_learner).
+    'high': the inference actor's streams take the highest priority, so self-play and evaluation, which wait
+    for each answer, are not queued behind a training step. 'low': they take the lowest and the learner's
+    stream the highest, for a run whose replay ratio makes the learner the bound (self-play then only fills
+    the GPU's gaps, and is held to the ratio anyway)."""
     merge_searches: bool = False
     """Whole searches that differ only in their acting settings (temperature, root-noise fraction or Gumbel
     scale) share batches, each row searching with its own: greedy evaluation and reanalyse join self-play's
@@ -455,6 +461,7 @@ class InferenceConfig:
             ("cache_size", self.cache_size >= 0, ">= 0 (0 = no cache)"),
             ("switch_interval_us", self.switch_interval_us >= 0, ">= 0 (0 = Python's default)"),
             ("max_queue", self.max_queue >= 0, ">= 0 (0 = 4 x inference.max_batch)"),
+            ("stream_priority", self.stream_priority in ("high", "low"), "'high' or 'low'"),
         ])
 
 

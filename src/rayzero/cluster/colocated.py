@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rayzero.config import LearnerConfig
+from rayzero.inference.runner import HIGHEST_PRIORITY
 from rayzero.inference.server import InferenceServer
 from rayzero.learner import Learner
 from rayzero.logs import logger
@@ -34,15 +35,16 @@ class ColocatedLearner(InferenceServer):
     def __init__(self, inference_args: tuple, inference_kwargs: dict[str, Any], learner_args: tuple):
         super().__init__(*inference_args, **inference_kwargs)
         self._learner_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
-        self.learner: Learner = self._learner_thread.submit(self._make_learner, learner_args).result()
+        # The other end of the priorities from the inference streams' (inference.stream_priority).
+        priority = HIGHEST_PRIORITY if self.cfg.stream_priority == "low" else 0
+        self.learner: Learner = self._learner_thread.submit(self._make_learner, learner_args, priority).result()
 
     @staticmethod
-    def _make_learner(learner_args: tuple) -> Learner:
+    def _make_learner(learner_args: tuple, priority: int = 0) -> Learner:
         """In the learner thread: its CUDA work goes to a stream of its own, beside the inference streams."""
         learner_args = (learner_args[0], thread_safe_compile(learner_args[1]), *learner_args[2:])
         if learner_args[1].device != "cpu" and torch.cuda.is_available():
-            # Before the learner's first CUDA work; the default (lowest) priority, below the inference streams'.
-            torch.cuda.set_stream(torch.cuda.Stream())
+            torch.cuda.set_stream(torch.cuda.Stream(priority=priority))  # before the learner's first CUDA work
         return Learner(*learner_args)
 
     async def learner_call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -150,11 +150,11 @@ class Runner:
             self.generator = torch.Generator().manual_seed(seed)
             return
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        # The highest stream priority: where the learner shares this process (cluster.colocate_learner, on a stream
-        # of the default, lowest priority), the GPU schedules a search's blocks before the learner's waiting ones,
-        # so self-play and evaluation, which wait for each answer, are not queued behind a training step.
-        self.stream = torch.cuda.Stream(self.device, priority=HIGHEST_PRIORITY)
-        self.copy_stream = torch.cuda.Stream(self.device, priority=HIGHEST_PRIORITY)
+        # Where the learner shares this process (cluster.colocate_learner), the stream priorities say whose waiting
+        # blocks the GPU schedules first (inference.stream_priority; the colocated learner takes the other end).
+        priority = HIGHEST_PRIORITY if cfg.stream_priority == "high" else 0
+        self.stream = torch.cuda.Stream(self.device, priority=priority)
+        self.copy_stream = torch.cuda.Stream(self.device, priority=priority)
         self.mempool = torch.cuda.graph_pool_handle()
         M, A = self.M, self.A
         self.static = {
