@@ -1,5 +1,5 @@
 """The driver's handling of failed calls (train.Driver, real Ray, no training run): an evaluation or reanalyse
-actor that dies is called again (Ray restarts it) unless it keeps dying; a learner failure in the shutdown drain
+actor that dies is called again (Ray restarts it) unless it keeps dying, and so is an evaluation that fails; a learner failure in the shutdown drain
 is raised, not swallowed; other calls cut off at shutdown are dropped."""
 
 import os
@@ -56,6 +56,22 @@ def test_a_dead_evaluation_or_reanalyse_actor_is_called_again_until_it_keeps_dyi
         d._record(flaky.die.remote(), Call(EVAL), handles=None, metrics=None)
     with pytest.raises(RuntimeError, match="evaluation actor failed 6 times in a row"):
         d._record(flaky.die.remote(), Call(EVAL), handles=None, metrics=None)
+
+
+@ray.remote(num_cpus=0)
+def failed_search():
+    raise RuntimeError("search: AcceleratorError: CUDA error: an illegal memory access was encountered")
+
+
+def test_a_failed_evaluation_is_logged_and_skipped_until_evaluations_keep_failing(tmp_path, flaky):
+    d = driver(tmp_path)
+    d.schedule.next_eval = 0.0
+    d._record(failed_search.remote(), Call(EVAL), handles=None, metrics=None)  # no exception: the loop goes on
+    assert d.schedule.next_eval > 0.0 and d.failures == {("evaluation", 0): 1}
+    for _ in range(MAX_RESTARTS_IN_A_ROW - 1):
+        d._record(failed_search.remote(), Call(EVAL), handles=None, metrics=None)
+    with pytest.raises(ray.exceptions.RayTaskError, match="illegal memory access"):
+        d._record(failed_search.remote(), Call(EVAL), handles=None, metrics=None)
 
 
 def test_a_learner_failure_in_the_shutdown_drain_is_raised_and_cut_off_work_is_dropped(tmp_path, flaky):

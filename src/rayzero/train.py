@@ -403,6 +403,13 @@ class Driver:
                 self._restartable_failed("evaluation", call.index, error)
                 self.schedule.evaluated(time.perf_counter())  # the next one at the next interval
                 return
+            except ray.exceptions.RayTaskError as error:  # the actor lives on; one failed evaluation ends no run
+                log.warning("an evaluation failed (%s); the next one comes at the next interval", _last_line(error))
+                self.failures[("evaluation", call.index)] = self.failures.get(("evaluation", call.index), 0) + 1
+                if self.failures[("evaluation", call.index)] > MAX_RESTARTS_IN_A_ROW:
+                    raise
+                self.schedule.evaluated(time.perf_counter())
+                return
             self.failures.pop(("evaluation", call.index), None)
             self._record_eval(result, metrics)
             self.schedule.evaluated(time.perf_counter())
