@@ -20,6 +20,7 @@ import torch
 
 from rayzero.config import InferenceConfig
 from rayzero.inference.errors import InferenceError
+from rayzero.logs import logger
 from rayzero.models.networks import MuZeroNet
 from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchNoise, sample_noise, search
 from rayzero.tree.noise import row_defaults
@@ -28,6 +29,8 @@ IDX_ROWS = 7  # src slot, action, dst slot, cache hit entry, cache hit dst slot,
 SRC, ACT, DST, HIT_SRC, HIT_DST, INS_ENTRY, INS_SLOT = range(IDX_ROWS)
 HIGHEST_PRIORITY = -100  # torch maps a stream priority beyond the device's range to the range's end
 SEARCH_GRAPHS_PER_BUCKET = 4  # captured search configs kept per bucket (least recently used evicted)
+
+log = logger(__name__)
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -144,6 +147,7 @@ class Runner:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.searches: collections.OrderedDict[tuple[int, SearchConfig, bool], Any] = collections.OrderedDict()
         self.capture_s = 0.0
+        self.serving = False  # set once the start-up captures are done
         self._weights_copied: Any = None
         self._weight_stage: dict[str, torch.Tensor] | None = None
         if not self.cuda:
@@ -187,6 +191,7 @@ class Runner:
                         self._search_graph(bucket, search_cfg)
             self.stream.synchronize()
             self.capture_s = time.perf_counter() - start
+        self.serving = True
 
     # -- helpers ------------------------------------------------------------------------------------------
 
@@ -246,6 +251,9 @@ class Runner:
             same_bucket = [k for k in self.searches if k[0] == bucket]
             if len(same_bucket) >= SEARCH_GRAPHS_PER_BUCKET:
                 del self.searches[same_bucket[0]]
+            if self.serving:  # a device-side assert that follows is the first thing to tie to this capture
+                log.warning(f"capturing a whole-search graph mid-run (bucket {bucket}, config {config}); with a "
+                            "learner in this process, inference.merge_searches=true captures every search shape at start")
             start = time.perf_counter()
             captured = CapturedSearch(self.search_fn, self._search_root(bucket), config.num_simulations, config,
                                       pool=self.mempool, generator=self.generator, per_row=per_row)
