@@ -248,6 +248,50 @@ def test_whole_searches_through_the_channel_equal_ray_calls_and_two_can_be_in_fl
 
 
 
+def test_an_evaluations_greedy_search_goes_through_the_channel_and_searches_without_noise(actor):
+    """The evaluation's per-step search (temperature 0, no root noise) travels through the shared-memory channel,
+    not a Ray call carrying the observations, and gives what the same search through a Ray call gives, on a
+    server whose own config has root noise (a noisy search would differ)."""
+    from rayzero.actors.network import RemoteNetwork
+    from rayzero.tree import SearchConfig
+
+    cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
+    search_cfg = SearchConfig(num_simulations=16, dirichlet_fraction=0.5, cpu_backend="torch")
+    server = ray.remote(InferenceServer).options(max_concurrency=100).remote(
+        MODEL, cfg, (4,), 3, 0, search_cfg=search_cfg, discount=0.99)
+    ray.get(server.set_weights.remote(1, _random_state()))
+    obs = np.random.default_rng(2).normal(size=(6, 4)).astype(np.float32)
+    greedy = {"dirichlet_fraction": 0.0, "gumbel_scale": 0.0}
+    direct = ray.get(server.search.remote("direct", obs, temperature=0.0, **greedy))
+    network = RemoteNetwork(server, 0.99, "eval", whole_search=True, channel=True)
+    answers = [network.search(obs, 0.0, **greedy) for _ in range(2)]
+    assert network.search_clients[0].transport == "channel"
+    for answer in answers:
+        np.testing.assert_array_equal(answer["action"], direct["action"])
+        np.testing.assert_allclose(answer["action_weights"], direct["action_weights"], rtol=1e-6)
+        np.testing.assert_array_equal(answer["action"], answer["action_weights"].argmax(1))
+        assert answer["version"] == 1 and answer["queue_ms"] >= 0 and answer["device_ms"] > 0
+    noisy = [network.search(obs, 0.0)["action_weights"] for _ in range(3)]  # the server's noise: rows change
+    assert any(not np.allclose(w, direct["action_weights"]) for w in noisy)
+    # A channel the actor dropped is opened anew by the next search, not left to Ray calls for the rest of the run.
+    assert ray.get(server.close_channel.remote("eval-search0"))
+    np.testing.assert_array_equal(network.search(obs, 0.0, **greedy)["action"], direct["action"])
+    from rayzero.inference.channel import CLOSED
+
+    assert network.search_clients[0].arrays["header"][CLOSED] == 0  # a new channel, not the dropped one
+    ray.kill(server)
+
+
+def _random_state() -> dict:
+    import torch
+
+    from rayzero.models import build_model
+
+    generator = torch.Generator().manual_seed(3)
+    return {k: (v + 0.5 * torch.randn(v.shape, generator=generator) if v.is_floating_point() else v).numpy()
+            for k, v in build_model(MODEL, (4,), 3).state_dict().items()}
+
+
 @pytest.mark.parametrize("failures", [2, 3])
 def test_a_failed_whole_search_is_sent_again_and_one_that_keeps_failing_raises(actor, failures):
     """Self-play does not end on one failed batch of the inference actor (RemoteNetwork.wait_search)."""

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayzero.inference.channel import InferenceClient
+from rayzero.inference.channel import GREEDY_OVERRIDES, InferenceClient
 from rayzero.inference.errors import InferenceError
 from rayzero.logs import first_line
 from rayzero.models.networks import MuZeroNet
@@ -70,17 +70,19 @@ class RemoteNetwork:
         self.channel = channel
         self.client: Any = None  # an InferenceClient, opened at the first root (sized by its batch)
         self.search_clients: dict[int, Any] = {}  # slot -> the InferenceClient its whole searches go through
-        self._sent: dict[int, tuple[np.ndarray, float]] = {}  # slot -> the search in flight (sent again on failure)
+        self._sent: dict[int, tuple[np.ndarray, float, bool]] = {}  # slot -> the search in flight (sent again on failure)
 
     def search(self, obs: np.ndarray, temperature: float, **overrides: Any) -> dict[str, np.ndarray]:
         """A whole search on the inference actor: action [B], action_weights [B, A], root_value [B], version (of
-        the weights it searched with). overrides: other SearchConfig fields for this search (greedy evaluation,
-        through a Ray call); without them the search goes through a shared-memory channel where there is one."""
-        if overrides:
+        the weights it searched with). overrides: other SearchConfig fields for this search, through a Ray call;
+        a greedy one (temperature 0, no root noise: an evaluation's) and one without overrides go through a
+        shared-memory channel where there is one."""
+        greedy = {"temperature": temperature, **overrides} == GREEDY_OVERRIDES
+        if overrides and not greedy:
             import ray
 
             return ray.get(self.server.search.remote(self.client_id, obs, temperature=temperature, **overrides))
-        self.submit_search(obs, temperature)
+        self.submit_search(obs, temperature, greedy=greedy)
         return self.wait_search()
 
     def on(self, server: Any) -> RemoteNetwork:
@@ -92,7 +94,7 @@ class RemoteNetwork:
         own can run beside this one's, in another thread)."""
         return RemoteNetwork(self.server, self.discount, f"{self.client_id}-{suffix}", self.whole_search, self.channel)
 
-    def submit_search(self, obs: np.ndarray, temperature: float, slot: int = 0) -> None:
+    def submit_search(self, obs: np.ndarray, temperature: float, slot: int = 0, greedy: bool = False) -> None:
         """Send a whole search without waiting; `wait_search(slot)` collects it. Each slot holds one search in
         flight (its own channel), so a caller can keep two going: one per half of its envs."""
         client = self.search_clients.get(slot)
@@ -102,8 +104,8 @@ class RemoteNetwork:
             client = InferenceClient(self.server, f"{self.client_id}-search{slot}", len(obs), len(obs),
                                      channel=self.channel)
             self.search_clients[slot] = client
-        client.submit_search(obs, temperature)
-        self._sent[slot] = (obs, temperature)
+        client.submit_search(obs, temperature, greedy)
+        self._sent[slot] = (obs, temperature, greedy)
 
     def wait_search(self, slot: int = 0) -> dict[str, np.ndarray]:
         """The answer of the search in flight in `slot`. A search the inference actor failed (a CUDA error while
@@ -117,8 +119,7 @@ class RemoteNetwork:
                     raise
                 log.warning("%s: whole search failed on the inference actor (%s); sending it again",
                             self.client_id, first_line(error, 200))
-                obs, temperature = self._sent[slot]
-                self.search_clients[slot].submit_search(obs, temperature)
+                self.search_clients[slot].submit_search(*self._sent[slot])
         raise AssertionError("unreachable")
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -6,12 +6,14 @@ the actor (docs/benchmarks.md). A client on the actor's node can instead open a 
 that both processes map (shm.py makes them; the memory goes back when both are gone, however they end).
 
 Layout of one channel (R = max_rows, O = obs_rows, A = actions):
-  header int64 [8]: request sequence, answered sequence, kind, rows, store flag, status, version, closed flag
+  header int64 [10]: request sequence, answered sequence, kind, rows, store flag, status, version, closed flag,
+    and a whole search's queue and device time (microseconds)
   handles, actions int64 [R]; obs [O, *obs_shape] (initial requests; O may be 0)
   out float32 [R, 2 + A] (value, reward, policy logits); out_handles int64 [R]; error uint8 [ERROR_BYTES]
 
 Whole searches (kind SEARCH) carry their roots' observations in `obs` and the visit temperature in the store
-slot (in millionths); the answer's `out` rows are (root value, action, action weights [A]).
+slot (in millionths), or GREEDY there for a greedy search (temperature 0 and no root noise: an evaluation's);
+the answer's `out` rows are (root value, action, action weights [A]).
 
 Protocol (one request in flight per channel): the client writes the payload, then kind/rows/store, then bumps
 the request sequence; the actor's poller thread sees the new sequence and hands every request of one sweep over
@@ -34,10 +36,12 @@ import numpy as np
 from rayzero import shm
 from rayzero.inference.errors import InferenceError, InferenceOverloaded
 
-HEADER = 8
-REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED = range(HEADER)
+HEADER = 10
+REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED, QUEUE_US, DEVICE_US = range(HEADER)
 INITIAL, RECURRENT, SEARCH = 1, 2, 3
 TEMPERATURE_SCALE = 1_000_000  # a search's temperature travels as an integer number of millionths
+GREEDY = -1  # the store slot of a greedy whole search (evaluation: temperature 0, no root noise)
+GREEDY_OVERRIDES = {"temperature": 0.0, "dirichlet_fraction": 0.0, "gumbel_scale": 0.0}
 OVERLOADED = 2  # STATUS of a request refused by backpressure (1: any other error)
 ERROR_BYTES = 1024
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
@@ -119,7 +123,10 @@ class ServerChannel:
         if kind == INITIAL and "obs" in a:
             return kind, rows, a["obs"][:rows]
         if kind == SEARCH and "obs" in a:
-            return kind, rows, (a["obs"][:rows], int(h[STORE]) / TEMPERATURE_SCALE)
+            store = int(h[STORE])
+            if store == GREEDY:
+                return kind, rows, (a["obs"][:rows], 0.0, True)
+            return kind, rows, (a["obs"][:rows], store / TEMPERATURE_SCALE, False)
         return kind, rows, None
 
     def reply(self, seq: int, answer: dict[str, Any]) -> None:
@@ -129,6 +136,8 @@ class ServerChannel:
             out[:n, 0] = answer["root_value"]
             out[:n, 1] = answer["action"]
             out[:n, 2:] = answer["action_weights"]
+            self.header[QUEUE_US] = int(1e3 * answer.get("queue_ms", 0.0))
+            self.header[DEVICE_US] = int(1e3 * answer.get("device_ms", 0.0))
         else:
             n = len(answer["value"])
             out[:n, 0] = answer["value"]
@@ -271,7 +280,8 @@ class InferenceClient:
         self.max_rows, self.obs_rows = int(max_rows), int(obs_rows)
         self.timeout_s = timeout_s
         self.arrays: dict[str, np.ndarray] | None = None
-        self._inflight: tuple[Any, np.ndarray, float] | None = None  # (sequence or ObjectRef, obs, temperature)
+        self._inflight: tuple[Any, np.ndarray, float, bool] | None = None  # (sequence or ObjectRef, obs,
+        # temperature, greedy)
         # of the search that submit_search sent and wait_search collects
         if channel and ORDERED_STORES:
             self._open()
@@ -345,55 +355,61 @@ class InferenceClient:
         a["actions"][:n] = actions
         return self._request(RECURRENT, n, store, lambda: self._recurrent(handles, actions, store))
 
-    def search(self, obs: np.ndarray, temperature: float) -> dict[str, Any]:
-        """A whole search for len(obs) roots: action [B] int64, action_weights [B, A], root_value [B], version."""
-        self.submit_search(obs, temperature)
+    def search(self, obs: np.ndarray, temperature: float, greedy: bool = False) -> dict[str, Any]:
+        """A whole search for len(obs) roots: action [B] int64, action_weights [B, A], root_value [B], version.
+        greedy: temperature 0 and no root noise (an evaluation's search; `temperature` is then ignored)."""
+        self.submit_search(obs, temperature, greedy)
         return self.wait_search()
 
-    def submit_search(self, obs: np.ndarray, temperature: float) -> None:
+    def submit_search(self, obs: np.ndarray, temperature: float, greedy: bool = False) -> None:
         """Send a whole search and return at once; `wait_search` gets its answer (one in flight per client)."""
         if self._inflight is not None:
             raise InferenceError(f"{self.client_id}: a search is already in flight on this client")
         obs = np.asarray(obs)
+        if self.arrays is not None and self.arrays["header"][CLOSED]:  # dropped by the actor: open a new one
+            self._open()
         a = self.arrays
         if a is None or a["header"][CLOSED] or "obs" not in a or obs.ndim != a["obs"].ndim \
                 or obs.shape[1:] != a["obs"].shape[1:] or obs.dtype != a["obs"].dtype \
                 or not 0 < len(obs) <= self.obs_rows or not 0 <= temperature < 1e6:
-            self._inflight = (self.server.search.remote(self.client_id, obs, temperature=temperature), obs, temperature)
+            overrides = GREEDY_OVERRIDES if greedy else {"temperature": temperature}
+            self._inflight = (self.server.search.remote(self.client_id, obs, **overrides), obs, temperature, greedy)
             return
         a["obs"][:len(obs)] = obs
-        seq = self._send(SEARCH, len(obs), int(round(temperature * TEMPERATURE_SCALE)))
-        self._inflight = (seq, obs, temperature)
+        seq = self._send(SEARCH, len(obs), GREEDY if greedy else int(round(temperature * TEMPERATURE_SCALE)))
+        self._inflight = (seq, obs, temperature, greedy)
 
     def wait_search(self) -> dict[str, Any]:
         """The answer of the search `submit_search` sent; refused as overloaded, it is sent again after a pause
         (as `initial` and `recurrent` are)."""
         if self._inflight is None:
             raise InferenceError(f"{self.client_id}: no search in flight on this client")
-        _, obs, temperature = self._inflight
+        _, obs, temperature, greedy = self._inflight
         try:
             return self._collect_search()
         except InferenceOverloaded:
-            return self._patient(self._search_once, obs, temperature)
+            return self._patient(self._search_once, obs, temperature, greedy)
 
-    def _search_once(self, obs: np.ndarray, temperature: float) -> dict[str, Any]:
-        self.submit_search(obs, temperature)
+    def _search_once(self, obs: np.ndarray, temperature: float, greedy: bool = False) -> dict[str, Any]:
+        self.submit_search(obs, temperature, greedy)
         return self._collect_search()
 
     def _collect_search(self) -> dict[str, Any]:
-        request, obs, temperature = self._inflight
+        request, obs, temperature, greedy = self._inflight
         self._inflight = None
         if not isinstance(request, int):  # a Ray call's ObjectRef
             import ray
 
             return ray.get(request)
         if not self._wait(request):  # the channel closed under the request: send it again
-            return self._search_once(obs, temperature)
+            return self._search_once(obs, temperature, greedy)
         a = self.arrays
         out = a["out"]
         rows = len(obs)
+        h = a["header"]
         return {"action": out[:rows, 1].astype(np.int64), "action_weights": out[:rows, 2:].copy(),
-                "root_value": out[:rows, 0].copy(), "version": int(a["header"][VERSION])}
+                "root_value": out[:rows, 0].copy(), "version": int(h[VERSION]),
+                "queue_ms": int(h[QUEUE_US]) / 1e3, "device_ms": int(h[DEVICE_US]) / 1e3}
 
     def _send(self, kind: int, rows: int, store: int) -> int:
         h = self.arrays["header"]

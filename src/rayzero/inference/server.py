@@ -337,7 +337,9 @@ class InferenceServer:
         elif kind == channels.INITIAL and payload is not None:
             coro = self.initial(channel.client, payload)
         elif kind == channels.SEARCH and payload is not None:
-            coro = self.search(channel.client, payload[0], temperature=payload[1])
+            obs, temperature, greedy = payload
+            overrides = channels.GREEDY_OVERRIDES if greedy else {"temperature": temperature}
+            coro = self.search(channel.client, obs, **overrides)
         else:
             self.errors += 1
             channel.fail(seq, InferenceError(f"channel: unknown request kind {kind} (or no obs buffer)"))
