@@ -40,6 +40,11 @@ def test_resume_continues_counters_and_replay(tmp_path):
     rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "run.max_env_steps=1500", *SMALL)
     first = json.loads((tmp_path / "summary.json").read_text())
     assert first["learner_steps"] > 0 and first["replay_size"] > 0
+    # The final evaluation plays while the final checkpoint is written; the checkpoint's state still counts it.
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()  # names the newest checkpoint
+    state = json.loads((tmp_path / "checkpoints" / latest / "state.json").read_text())
+    assert state["best_eval_return"] == first["best_eval_return"]
+    assert state["learner_steps"] == first["learner_steps"]
     rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "--resume", "run.max_env_steps=3000", *SMALL)
     second = json.loads((tmp_path / "summary.json").read_text())
     assert second["env_steps"] == first["env_steps"] + second["env_steps_this_run"]

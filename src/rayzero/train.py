@@ -19,7 +19,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,10 @@ class Driver:
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
-    def save_checkpoint(self, handles: cluster.Handles) -> Path:
+    def save_checkpoint(self, handles: cluster.Handles, before_commit: Callable[[], None] | None = None) -> Path:
+        """The learner's state and the replay's snapshot, then the checkpoint's state (counters, best evaluation)
+        and its commit. before_commit: called between the two (the run's end collects its final evaluation,
+        which played while the snapshot was written, so that the state counts it)."""
         staging = ckpt.staging_dir(self.run_dir, self.counters.learner_steps)
         for attempt in range(3):
             try:
@@ -187,6 +190,8 @@ class Driver:
                 log.warning("a role died while writing checkpoint %s (%s); writing it again", staging.name,
                             _last_line(error))
                 self._wait_for_replay(handles)
+        if before_commit is not None:
+            before_commit()
         counters = ray.get(handles.learner.counters.remote())
         self.counters.learner_steps = counters["learner_steps"]
         state = {
@@ -585,10 +590,16 @@ class Driver:
         self._publish(handles, wait=True)  # the inference actor (which evaluation may search with) serves them too
         final_weights = self.weights
         version = ray.get(final_weights)[0]
+        collect = None
         if self.last_eval is None or self.last_eval["version"] != version or \
                 len(self.last_eval["returns"]) != run.eval_episodes:
-            self._record_eval(self._final_evaluation(handles, final_weights), metrics)
-        path = self.save_checkpoint(handles)
+            # It plays while the checkpoint is written (other actors), and is collected before the commit.
+            args = (final_weights, run.eval_episodes, run.eval_max_steps, run.seed + 10_000)
+            playing = handles.evaluation.evaluate.remote(*args)
+
+            def collect() -> None:
+                self._record_eval(self._final_evaluation(handles, args, playing), metrics)
+        path = self.save_checkpoint(handles, before_commit=collect)
         summary = self._summary(handles, version, path)
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
@@ -600,12 +611,11 @@ class Driver:
                  summary["eval_return_mean"], summary["eval_return_std"])
         return summary
 
-    def _final_evaluation(self, handles: cluster.Handles, weights: Any) -> dict[str, Any]:
-        """The final evaluation; once more if its actor died (Ray restarts it)."""
-        run = self.config.run
-        args = (weights, run.eval_episodes, run.eval_max_steps, run.seed + 10_000)
+    def _final_evaluation(self, handles: cluster.Handles, args: tuple, playing: Any) -> dict[str, Any]:
+        """The final evaluation's result (`playing`: its ObjectRef); once more if its actor died (Ray restarts
+        it)."""
         try:
-            return ray.get(handles.evaluation.evaluate.remote(*args))
+            return ray.get(playing)
         except ray.exceptions.RayActorError as error:
             log.warning("the evaluation actor failed in the final evaluation (%s); once more", type(error).__name__)
             return ray.get(handles.evaluation.evaluate.remote(*args))
