@@ -70,7 +70,8 @@ class RemoteNetwork:
         self.channel = channel
         self.client: Any = None  # an InferenceClient, opened at the first root (sized by its batch)
         self.search_clients: dict[int, Any] = {}  # slot -> the InferenceClient its whole searches go through
-        self._sent: dict[int, tuple[np.ndarray, float, bool]] = {}  # slot -> the search in flight (sent again on failure)
+        # slot -> the search in flight (obs, temperature, greedy), sent again on failure
+        self._sent: dict[int, tuple[np.ndarray, float, bool]] = {}
 
     def search(self, obs: np.ndarray, temperature: float, **overrides: Any) -> dict[str, np.ndarray]:
         """A whole search on the inference actor: action [B], action_weights [B, A], root_value [B], version (of

@@ -253,7 +253,8 @@ class Runner:
                 del self.searches[same_bucket[0]]
             if self.serving:  # a device-side assert that follows is the first thing to tie to this capture
                 log.warning(f"capturing a whole-search graph mid-run (bucket {bucket}, config {config}); with a "
-                            "learner in this process, inference.merge_searches=true captures every search shape at start")
+                            "learner in this process, inference.merge_searches=true captures every search "
+                            "shape at start")
             start = time.perf_counter()
             captured = CapturedSearch(self.search_fn, self._search_root(bucket), config.num_simulations, config,
                                       pool=self.mempool, generator=self.generator, per_row=per_row)
