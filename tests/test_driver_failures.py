@@ -1,6 +1,7 @@
 """The driver's handling of failed calls (train.Driver, real Ray, no training run): an evaluation or reanalyse
 actor that dies is called again (Ray restarts it) unless it keeps dying, and so is an evaluation that fails; a learner failure in the shutdown drain
-is raised, not swallowed; other calls cut off at shutdown are dropped."""
+is raised, not swallowed; a dead learner ends the run saying what to resume from; other calls cut off at
+shutdown are dropped."""
 
 import os
 
@@ -117,3 +118,13 @@ def test_a_learner_call_broken_by_a_dying_replay_shard_does_not_fail_the_shutdow
     d.pending = {learn_from_a_dying_shard.remote(flaky): Call(LEARN)}
     d._drain()  # no exception: the learner is consistent, the final checkpoint can be written
     assert d.pending == {}
+
+
+def test_a_dead_learner_ends_the_run_with_what_to_resume_from(tmp_path, flaky):
+    """The learner's process dying (its weights and optimizer with it) ends the run with a message that says
+    so and where it can go on from, instead of Ray's bare ActorDiedError."""
+    d = driver(tmp_path)
+    with pytest.raises(RuntimeError, match="learner's actor died .*no checkpoint was written yet") as info:
+        d._record(flaky.die.remote(), Call(LEARN, 0), handles=None, metrics=None)
+    assert isinstance(info.value.__cause__, ray.exceptions.RayActorError)
+

@@ -388,6 +388,8 @@ class Driver:
                 self._restartable_failed("replay", 0, error)
                 self._wait_for_replay(handles)
                 return
+            except ray.exceptions.RayActorError as error:  # the learner's own process died: its state with it
+                raise RuntimeError(self._learner_lost(error)) from error
             self.failures.pop(("replay", 0), None)
             self._add_learn(result)
             self._publish(handles)
@@ -421,6 +423,20 @@ class Driver:
             if self.config.run.stop_return and result["mean"] >= self.config.run.stop_return:
                 self.stop_reason = "stop_return"
                 self.solved_weights = self.eval_weights
+
+    def _learner_lost(self, error: Exception) -> str:
+        """What ends a run whose learner died: the learner's weights and optimizer lived in that process, so the
+        run goes on only from a checkpoint."""
+        try:
+            last = f"the last checkpoint is {ckpt.latest(self.run_dir)}; `rayzero train --resume --out " \
+                   f"{self.run_dir}` goes on from it"
+        except ckpt.CheckpointError:
+            last = "no checkpoint was written yet (learner.checkpoint_interval)"
+        where = ""
+        if self.config.cluster.colocate_learner:
+            where = (" The learner may have shared the inference actor's process (cluster.colocate_learner): a "
+                     "CUDA error there, a device-side assert say, ends both; its log is in the actor's stderr.")
+        return f"the learner's actor died ({_last_line(error)}); {last}.{where}"
 
     def _restartable_failed(self, role: str, index: int, error: Exception) -> None:
         """A role that Ray restarts lost its actor: the schedule calls it again; many failures in a row are a bug,
