@@ -15,12 +15,13 @@ import torch
 from rayzero.actors.network import LocalNetwork, RemoteNetwork, search_observations
 from rayzero.config import EnvConfig, ModelConfig
 from rayzero.envs import make_render_env, make_vector_env
+from rayzero.inference.channel import GREEDY_OVERRIDES
 from rayzero.models import build_model
 from rayzero.tree import SearchConfig
 
 
 def greedy(search_cfg: SearchConfig) -> SearchConfig:
-    return dataclasses.replace(search_cfg, temperature=0.0, dirichlet_fraction=0.0, gumbel_scale=0.0)
+    return dataclasses.replace(search_cfg, **GREEDY_OVERRIDES)
 
 
 def play_episodes(
