@@ -34,5 +34,5 @@ if [ "${GIF:-0}" = 1 ] && [ -e "/tmp/$name/checkpoints/latest" ]; then
 fi
 # What the log says about the compiled step (the compile check, learner.compile_check_steps), the helper and
 # the eager step's graph (learner.step_graph).
-grep -h "compiled step\|helper compiled\|helper process failed\|torch.compile\|CUDA graph" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | head -8
+grep -h "compiled step\|helpers compiled\|helper process failed\|background compile (\|helpers' cache\|torch.compile\|CUDA graph" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | cut -c1-400 | head -12
 tail -2 "$out/train.log"

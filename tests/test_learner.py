@@ -582,7 +582,9 @@ def test_background_compile_trains_eagerly_then_switches_to_the_compiled_step_wi
     assert learner.compile_state == "background" and learner._switch.compiled is None
     states = _train_until_compiled(reference, learner, replay)
     assert states[0] == "background" and states[-1] == "on:reduce-overhead", states
-    assert learner.background_compile_s is not None and learner._background_helper.returncode == 0
+    assert learner.background_compile_s is not None
+    # One helper compiled the step, another the side steps (target network, consistency targets), at once.
+    assert [helper.returncode for helper in learner._background_helpers] == [0, 0]
     assert learner._bootstrap.compiled is not None and learner._consistency_targets.compiled is not None
     # The weights the two learners reached are the same.
     for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
@@ -605,11 +607,11 @@ def test_a_failed_background_compile_leaves_the_learner_compiling_in_its_own_pro
 
 def test_closing_the_learner_stops_its_background_compile_and_removes_the_batch_copy():
     _, learner, replay = _background_learner()
-    learner.step(replay.sample(8))  # the first batch starts the helper
-    helper = learner._background_helper
-    assert helper.poll() is None  # compiling (it removes its batch copy once read; a killed one cannot)
-    learner.close()
-    assert helper.poll() is not None and not helper.work_dir.exists()
+    learner.step(replay.sample(8))  # the first batch starts the helpers
+    helpers = learner._background_helpers
+    assert len(helpers) == 2 and all(helper.poll() is None for helper in helpers)  # compiling (each removes its
+    learner.close()                                                     # batch copy once read; a killed one cannot)
+    assert all(helper.poll() is not None and not helper.work_dir.exists() for helper in helpers)
 
 
 def test_the_background_helper_gets_a_valid_device_from_an_indexed_one():
@@ -619,15 +621,21 @@ def test_the_background_helper_gets_a_valid_device_from_an_indexed_one():
     from rayzero.learner import background
 
     tensors = {"x": torch.zeros(2, 3)}
-    helper = background.start(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cuda", 0), tensors, 0)
-    try:
-        with open(helper.work_dir / "args.pkl", "rb") as f:
-            args = pickle.load(f)
-        assert args["cfg"].device == "cuda" and args["cfg"].compile and not args["cfg"].background_compile
-    finally:
-        helper.kill()
-        helper.wait()
-        background.clean_up(helper)
+    for part, side_steps in (("step", False), ("side", True)):
+        helper = background.start(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cuda", 0), tensors,
+                                  0, part)
+        try:
+            with open(helper.work_dir / "args.pkl", "rb") as f:
+                args = pickle.load(f)
+            assert args["cfg"].device == "cuda" and args["cfg"].compile and not args["cfg"].background_compile
+            # The step's helper leaves the side steps eager (the other helper compiles them).
+            assert args["part"] == part and args["cfg"].compile_side_steps == side_steps
+        finally:
+            helper.kill()
+            helper.wait()
+            background.clean_up(helper)
+    with pytest.raises(ValueError, match="'both'.*expected one of"):
+        background.start(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cpu"), tensors, 0, "both")
 
 
 def test_unknown_compile_backend_is_refused_with_the_valid_ones():

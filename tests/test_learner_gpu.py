@@ -353,3 +353,26 @@ def test_a_learner_in_a_thread_of_its_own_trains_compiled_under_the_step_graph()
         state, replays, losses = pool.submit(train).result()
     assert state == "on:default" and replays == 27, (state, replays)
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+def test_the_compile_after_the_background_helpers_hits_their_cache(tmp_path, monkeypatch):
+    """The two helpers (the step with its side steps eager; the side steps alone) fill the cache with what the
+    learner then compiles: its own compile finds every graph there, on a cache of its own (a miss would mean a
+    cold compile in the learner's process, minutes without updates on the Atari preset)."""
+    import time
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the helpers inherit it
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    cfg = LearnerConfig(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cuda", target_update_interval=2,
+                        consistency_weight=1.0, consistency_dim=16, background_compile=True, compile_mode="default")
+    learner = Learner(model, cfg, (3, 32, 32), 4, seed=0)
+    replay = _small_image_replay(bootstrap_obs=True, next_obs=True)
+    deadline = time.monotonic() + 400
+    while not learner.compile_state.startswith("on") and time.monotonic() < deadline:
+        learner.step(replay.sample(8))
+        if learner.compile_state == "background":
+            time.sleep(0.5)
+    assert learner.compile_state == "on:default", learner.compile_state
+    assert [helper.returncode for helper in learner._background_helpers] == [0, 0]
+    use = learner.compile_cache_use
+    assert use is not None and use["graph_cache_miss"] == 0 and use["graph_cache_hit"] >= 3, use

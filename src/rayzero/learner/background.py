@@ -7,7 +7,9 @@ takes seconds (scripts/compile_cost.py measures both). The helper is a plain sub
 multiprocessing child, so that it does not re-import a Ray worker's main module; it exits if its parent does.
 The helper (`compile_in_helper` in learner.py) compiles with the learner's own configuration on the same device,
 so its cache entries are the ones the learner looks up (the weights are inputs of the compiled graph: their values
-do not enter the cache key).
+do not enter the cache key). Two helpers run at once, one per PART: the step itself ("step", its forward and
+backward) and the no-grad side steps that make its inputs ("side": the target network's bootstraps, the
+consistency targets). Compiling is mostly one Python thread per process, so the two halves overlap.
 """
 
 from __future__ import annotations
@@ -29,16 +31,23 @@ import torch
 from rayzero.config import LearnerConfig, ModelConfig
 
 
+PARTS = ("step", "side")
+
+
 def start(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...], num_actions: int,
-          device: torch.device, tensors: dict[str, torch.Tensor], stale: int) -> subprocess.Popen:
-    """Start the helper on a copy of `tensors` (the first batch, as the learner's update takes it)."""
+          device: torch.device, tensors: dict[str, torch.Tensor], stale: int, part: str = "step") -> subprocess.Popen:
+    """Start a helper on a copy of `tensors` (the first batch, as the learner's update takes it) that compiles
+    `part` (one of PARTS): the step, with the side steps left eager, or only the side steps."""
+    if part not in PARTS:
+        raise ValueError(f"background compile part {part!r}: expected one of {PARTS}")
     work = Path(tempfile.mkdtemp(prefix="rayzero_compile."))
     torch.save({k: v.detach().cpu() for k, v in tensors.items()}, work / "batch.pt")
     helper_cfg = dataclasses.replace(cfg, background_compile=False, compile=True, device=device.type,
                                      compile_check_steps=0,
+                                     compile_side_steps=cfg.compile_side_steps and part == "side",
                                      step_graph=False)  # the helper only fills the cache
     with open(work / "args.pkl", "wb") as f:
-        pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape),
+        pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape), "part": part,
                      "num_actions": num_actions, "stale": stale, "parent": os.getpid()}, f)
     entry = "import sys; from rayzero.learner.learner import compile_in_helper; sys.exit(compile_in_helper(sys.argv[1]))"
     helper = subprocess.Popen([sys.executable, "-c", entry, str(work)])

@@ -260,7 +260,9 @@ class Learner:
         self.compile_state = "off"  # "pending:<mode>", then "on:<mode>", or "failed"; "background" before those
         # With learner.background_compile: eager until the helper process has filled the compile cache.
         self._background = use_compile and cfg.background_compile and not distributed
-        self._background_helper: Any = None  # the helper process, once the first batch has started it
+        self._background_helpers: list[Any] = []  # the helper processes, once the first batch has started them
+        self._cache_counts: dict[str, int] | None = None  # the compile cache's counters before compiling here
+        self.compile_cache_use: dict[str, int] | None = None  # hits and misses of that compile, once done
         self._background_started = 0.0
         self.background_compile_s: float | None = None  # how long the helper took (None: none ran, or not yet)
         if self._background:
@@ -328,39 +330,43 @@ class Learner:
     # -- background compile ----------------------------------------------------------------------------
 
     def _background_turn(self, tensors: dict[str, torch.Tensor], stale: int) -> None:
-        """Start the helper on the first batch; once it has ended, compile here (from the cache it filled)."""
-        if self._background_helper is None:
+        """Start the helpers on the first batch; once all have ended, compile here (from the cache they filled)."""
+        if not self._background_helpers:
             model_cfg, obs_shape, num_actions = self._build_args
-            self._background_helper = background.start(model_cfg, self.cfg, obs_shape, num_actions, self.device,
-                                                       tensors, stale)
+            parts = ["step"] + (["side"] if self._bootstrap.wanted or self._consistency_targets.wanted else [])
+            self._background_helpers = [background.start(model_cfg, self.cfg, obs_shape, num_actions, self.device,
+                                                         tensors, stale, part) for part in parts]
             self._background_started = time.perf_counter()
-            log.info("compiling the learner's step in a helper process; updates run eagerly until it is done")
+            log.info(f"compiling the learner's step in {len(parts)} helper processes ({', '.join(parts)}); updates "
+                     "run eagerly until they are done")
             return
-        helper = self._background_helper
-        if helper.poll() is None:
+        helpers = self._background_helpers
+        if any(helper.poll() is None for helper in helpers):
             return
         self.background_compile_s = time.perf_counter() - self._background_started
-        background.clean_up(helper)
-        if helper.returncode == 0:
-            log.info(f"the helper compiled the step in {self.background_compile_s:.0f} s; compiling it here from "
+        for helper in helpers:
+            background.clean_up(helper)
+        failed = [helper.returncode for helper in helpers if helper.returncode != 0]
+        if not failed:
+            log.info(f"the helpers compiled the step in {self.background_compile_s:.0f} s; compiling it here from "
                      "the warm cache")
         else:
-            log.warning(f"the helper process failed to compile the step (exit code {helper.returncode}); "
-                        "compiling it here")
+            log.warning(f"a helper process failed to compile the step (exit code {failed[0]}); compiling it here")
         self._background = False
+        self._cache_counts = _compile_cache_counts()
         self._next_compile_mode()
         for side in (self._bootstrap, self._consistency_targets):
             if side.wanted and side.compiled is None:
                 side.start_compiling()
 
     def close_background_compile(self) -> None:
-        """Stop a helper process still compiling (the learner is going away); training stays eager until the
+        """Stop helper processes still compiling (the learner is going away); training stays eager until the
         next update compiles here."""
-        helper = self._background_helper
-        if helper is not None and helper.poll() is None:
-            helper.terminate()
-            helper.wait(timeout=10)
-            background.clean_up(helper)
+        for helper in self._background_helpers:
+            if helper.poll() is None:
+                helper.terminate()
+                helper.wait(timeout=10)
+                background.clean_up(helper)
 
     def _autocast(self, in_graph: bool = False) -> torch.autocast:
         """bf16 autocast on CUDA (learner.bf16); in_graph: for the step graph, without the cache of cast weights,
@@ -484,12 +490,26 @@ class Learner:
             self._watch_steps -= 1
             if not self._watch_steps:
                 self.compile_state = "on:" + self.compile_state.split(":", 1)[1]
+                self._log_cache_use()
             break
         if before is not None and self._switch.compiled is not None:
             loss, stats, priorities = self._check_against_eager(tensors, before)
         if self._switch.compiled is None:
             self._eager_updates += 1
         return loss, stats, priorities, self._clip_and_step(lr)
+
+    def _log_cache_use(self) -> None:
+        """After a background compile: how the compile here used the cache the helpers filled (a miss means
+        the helpers compiled something other than what this learner runs, and it compiled here from scratch)."""
+        if self._cache_counts is None:
+            return
+        now = _compile_cache_counts()
+        used = {name: now.get(name, 0) - self._cache_counts.get(name, 0) for name in now}
+        self._cache_counts = None
+        self.compile_cache_use = used
+        if self.cfg.compile_backend == "inductor":
+            text = ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in used.items())
+            (log.warning if used.get("graph_cache_miss") else log.info)(f"the compile here from the helpers' cache: {text}")
 
     def _check_point(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """What a step changes besides the gradients: the BatchNorm statistics, and the RNG (augmentation)."""
@@ -806,20 +826,60 @@ class Learner:
 HELPER_UPDATES = 2  # the background compile happens in the first; the second runs what it compiled (or recompiles)
 
 
+def _compile_cache_counts() -> dict[str, int]:
+    """This process's compile cache counters so far: inductor's graph cache and AOTAutograd's cache, hits and
+    misses."""
+    from torch._dynamo.utils import counters
+
+    return {"graph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+            "graph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
+            "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"]}
+
+
 def compile_in_helper(work: str) -> int:
-    """The background compile's helper process (learner/background.py starts it): a learner of the same
-    configuration compiles its step on the first batch; exit code 0 when it compiled."""
+    """A background compile's helper process (learner/background.py starts it): a learner of the same
+    configuration compiles its part on the first batch (the step, or the side steps that make its inputs);
+    exit code 0 when it compiled. It prints its time and the compile's longest phases, for the run's log."""
+    started = time.perf_counter()
     args, batch = background.read_job(work)
     learner = Learner(args["model_cfg"], args["cfg"], args["obs_shape"], args["num_actions"])
     tensors = {k: v.to(learner.device) for k, v in batch.items()}
+    part = args.get("part", "step")
     for _ in range(HELPER_UPDATES):
-        learner._update(tensors, args["stale"])
+        if part == "side":
+            learner._step_inputs(tensors)
+        else:
+            learner._update(tensors, args["stale"])
     if learner.device.type == "cuda":
         torch.cuda.synchronize()
-    if not learner.compile_state.startswith(("pending", "on")):
+    print(f"rayzero background compile ({part}): {time.perf_counter() - started:.0f} s; {_compile_phases()}",
+          file=sys.stderr)
+    if part == "side":
+        broken = [side.what for side in (learner._bootstrap, learner._consistency_targets)
+                  if side.wanted and side.compiled is None]
+        if broken:
+            print(f"rayzero background compile: {', '.join(broken)} did not compile", file=sys.stderr)
+            return 1
+    elif not learner.compile_state.startswith(("pending", "on")):
         print(f"rayzero background compile: the step did not compile ({learner.compile_state})", file=sys.stderr)
         return 1
     return 0
+
+
+# torch._dynamo's timed phases that say where a compile's time went: all of it, tracing, lowering and code
+# generation, waiting for the parallel (Triton) kernel compiles, and the backward's (compiled at its first call).
+PHASES = ("_compile.compile_inner", "bytecode_tracing", "create_aot_dispatcher_function", "Scheduler.codegen",
+          "async_compile.wait", "backward._backward_impl")
+
+
+def _compile_phases() -> str:
+    """The seconds of this process's compiles so far in each of PHASES (torch._dynamo's timings)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = dict(zip(names, values))
+    return ", ".join(f"{name} {float(seconds[name]):.1f} s" for name in PHASES if name in seconds)
 
 
 def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | Path) -> None:
