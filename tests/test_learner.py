@@ -597,7 +597,7 @@ def test_a_failed_background_compile_leaves_the_learner_compiling_in_its_own_pro
 
     from rayzero.learner import background
 
-    monkeypatch.setattr(background, "start", lambda *a, **k: subprocess.Popen([sys.executable, "-c", "exit(7)"]))
+    monkeypatch.setattr(background, "spawn", lambda *a, **k: subprocess.Popen([sys.executable, "-c", "exit(7)"]))
     reference, learner, replay = _background_learner()
     with caplog.at_level("WARNING"):
         states = _train_until_compiled(reference, learner, replay)
@@ -607,10 +607,18 @@ def test_a_failed_background_compile_leaves_the_learner_compiling_in_its_own_pro
 
 def test_closing_the_learner_stops_its_background_compile_and_removes_the_batch_copy():
     _, learner, replay = _background_learner()
-    learner.step(replay.sample(8))  # the first batch starts the helpers
+    helpers = learner._background_helpers  # started with the learner, waiting for the first batch
+    assert len(helpers) == 2 and all(helper.poll() is None for helper in helpers)
+    learner.step(replay.sample(8))  # the first batch reaches them
+    assert all(helper.poll() is None for helper in helpers)  # compiling (each removes its batch copy once read;
+    learner.close()                                         # a killed one cannot)
+    assert all(helper.poll() is not None and not helper.work_dir.exists() for helper in helpers)
+
+
+def test_a_learner_that_never_trains_stops_its_waiting_helpers_when_closed():
+    _, learner, _ = _background_learner()
     helpers = learner._background_helpers
-    assert len(helpers) == 2 and all(helper.poll() is None for helper in helpers)  # compiling (each removes its
-    learner.close()                                                     # batch copy once read; a killed one cannot)
+    learner.close()
     assert all(helper.poll() is not None and not helper.work_dir.exists() for helper in helpers)
 
 
@@ -620,10 +628,8 @@ def test_the_background_helper_gets_a_valid_device_from_an_indexed_one():
 
     from rayzero.learner import background
 
-    tensors = {"x": torch.zeros(2, 3)}
     for part, side_steps in (("step", False), ("side", True)):
-        helper = background.start(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cuda", 0), tensors,
-                                  0, part)
+        helper = background.spawn(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cuda", 0), part)
         try:
             with open(helper.work_dir / "args.pkl", "rb") as f:
                 args = pickle.load(f)
@@ -635,7 +641,7 @@ def test_the_background_helper_gets_a_valid_device_from_an_indexed_one():
             helper.wait()
             background.clean_up(helper)
     with pytest.raises(ValueError, match="'both'.*expected one of"):
-        background.start(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cpu"), tensors, 0, "both")
+        background.spawn(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cpu"), "both")
 
 
 def test_unknown_compile_backend_is_refused_with_the_valid_ones():

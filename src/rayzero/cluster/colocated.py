@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import importlib
 from typing import Any
 
 import torch
@@ -38,6 +39,10 @@ class ColocatedLearner(InferenceServer):
         # The other end of the priorities from the inference streams' (inference.stream_priority).
         priority = HIGHEST_PRIORITY if self.cfg.stream_priority == "low" else 0
         self.learner: Learner = self._learner_thread.submit(self._make_learner, learner_args, priority).result()
+        if self.learner.compile_state == "background":
+            # Inductor's modules, imported while replay fills (the learner's first call waits behind this), not
+            # in the stall of the learner's own compile once the helpers are done.
+            self._learner_thread.submit(importlib.import_module, "torch._inductor.compile_fx")
 
     @staticmethod
     def _make_learner(learner_args: tuple, priority: int = 0) -> Learner:

@@ -9,7 +9,9 @@ The helper (`compile_in_helper` in learner.py) compiles with the learner's own c
 so its cache entries are the ones the learner looks up (the weights are inputs of the compiled graph: their values
 do not enter the cache key). Two helpers run at once, one per PART: the step itself ("step", its forward and
 backward) and the no-grad side steps that make its inputs ("side": the target network's bootstraps, the
-consistency targets). Compiling is mostly one Python thread per process, so the two halves overlap.
+consistency targets). Compiling is mostly one Python thread per process, so the two halves overlap. The helpers
+start with the learner (`spawn`): Python, torch, CUDA and their own learner are up by the time the first batch
+reaches them (`hand_over`), and they compile from there.
 """
 
 from __future__ import annotations
@@ -32,27 +34,38 @@ from rayzero.config import LearnerConfig, ModelConfig
 
 
 PARTS = ("step", "side")
+WAIT_S = 0.1  # how often a waiting helper looks for its batch
 
 
-def start(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...], num_actions: int,
-          device: torch.device, tensors: dict[str, torch.Tensor], stale: int, part: str = "step") -> subprocess.Popen:
-    """Start a helper on a copy of `tensors` (the first batch, as the learner's update takes it) that compiles
-    `part` (one of PARTS): the step, with the side steps left eager, or only the side steps."""
+def spawn(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...], num_actions: int,
+          device: torch.device, part: str = "step") -> subprocess.Popen:
+    """Start a helper that builds a learner of this configuration and waits for `hand_over`'s batch to compile
+    `part` (one of PARTS) on: the step, with the side steps left eager, or only the side steps."""
     if part not in PARTS:
         raise ValueError(f"background compile part {part!r}: expected one of {PARTS}")
     work = Path(tempfile.mkdtemp(prefix="rayzero_compile."))
-    torch.save({k: v.detach().cpu() for k, v in tensors.items()}, work / "batch.pt")
     helper_cfg = dataclasses.replace(cfg, background_compile=False, compile=True, device=device.type,
                                      compile_check_steps=0,
                                      compile_side_steps=cfg.compile_side_steps and part == "side",
                                      step_graph=False)  # the helper only fills the cache
     with open(work / "args.pkl", "wb") as f:
         pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape), "part": part,
-                     "num_actions": num_actions, "stale": stale, "parent": os.getpid()}, f)
+                     "num_actions": num_actions, "parent": os.getpid()}, f)
     entry = "import sys; from rayzero.learner.learner import compile_in_helper; sys.exit(compile_in_helper(sys.argv[1]))"
     helper = subprocess.Popen([sys.executable, "-c", entry, str(work)])
     helper.work_dir = work  # type: ignore[attr-defined]  # removed by `clean_up` (the helper's own may not run)
     return helper
+
+
+def hand_over(helper: subprocess.Popen, tensors: dict[str, torch.Tensor], stale: int) -> None:
+    """Give a spawned helper its batch (a copy of `tensors`, the first batch as the learner's update takes it);
+    nothing to do for one that has already ended (it failed: the learner compiles on its own)."""
+    work = getattr(helper, "work_dir", None)
+    if work is None or helper.poll() is not None:
+        return
+    partial = work / "batch.partial"
+    torch.save({"tensors": {k: v.detach().cpu() for k, v in tensors.items()}, "stale": stale}, partial)
+    os.replace(partial, work / "batch.pt")  # whole or absent, for the helper that polls for it
 
 
 def clean_up(helper: subprocess.Popen) -> None:
@@ -69,15 +82,23 @@ def _exit_with_parent(parent: int) -> None:
         time.sleep(1.0)
 
 
-def read_job(work: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """In the helper: the arguments and the batch `start` wrote, removed once read; a thread then ends the
-    helper if its parent (the learner) goes away."""
+def read_args(work: str) -> dict[str, Any]:
+    """In the helper: the arguments `spawn` wrote; a thread then ends the helper if its parent (the learner) goes
+    away, also while it waits for its batch."""
+    with open(Path(work) / "args.pkl", "rb") as f:
+        args = pickle.load(f)  # written by spawn(), in a private temporary directory
+    threading.Thread(target=_exit_with_parent, args=(args["parent"],), daemon=True).start()
+    return args
+
+
+def wait_for_batch(work: str) -> tuple[dict[str, torch.Tensor], int]:
+    """In the helper: (the batch, its staleness) once `hand_over` has written them; the directory is removed
+    once read."""
     path = Path(work)
+    while not (path / "batch.pt").exists():
+        time.sleep(WAIT_S)
     try:
-        with open(path / "args.pkl", "rb") as f:
-            args = pickle.load(f)  # written by start(), in a private temporary directory
-        tensors = torch.load(path / "batch.pt", map_location="cpu", weights_only=True)
+        job = torch.load(path / "batch.pt", map_location="cpu", weights_only=True)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    threading.Thread(target=_exit_with_parent, args=(args["parent"],), daemon=True).start()
-    return args, tensors
+    return job["tensors"], int(job["stale"])

@@ -241,6 +241,8 @@ class Learner:
         self._outbox: PriorityOutbox | None = None
         self._calls = 0
         self._published: tuple[int, int, StateDict] | None = None  # (version, steps, weights) of `weights`
+        if self._background:
+            self._spawn_helpers()
 
     def _init_compile(self, use_compile: bool, distributed: bool) -> None:
         """The compile state: the modes to try (the first steps of each are watched, a failure moves to the next,
@@ -260,9 +262,10 @@ class Learner:
         self.compile_state = "off"  # "pending:<mode>", then "on:<mode>", or "failed"; "background" before those
         # With learner.background_compile: eager until the helper process has filled the compile cache.
         self._background = use_compile and cfg.background_compile and not distributed
-        self._background_helpers: list[Any] = []  # the helper processes, once the first batch has started them
+        self._background_helpers: list[Any] = []  # the helper processes (started with the learner)
         self._cache_counts: dict[str, int] | None = None  # the compile cache's counters before compiling here
         self.compile_cache_use: dict[str, int] | None = None  # hits and misses of that compile, once done
+        self._graph_cache_counts: dict[str, int] | None = None  # the counters when the compiled step began
         self._background_started = 0.0
         self.background_compile_s: float | None = None  # how long the helper took (None: none ran, or not yet)
         if self._background:
@@ -329,15 +332,20 @@ class Learner:
 
     # -- background compile ----------------------------------------------------------------------------
 
+    def _spawn_helpers(self) -> None:
+        """learner.background_compile: start the helpers now, so they are ready to compile at the first batch."""
+        model_cfg, obs_shape, num_actions = self._build_args
+        parts = ["step"] + (["side"] if self._bootstrap.wanted or self._consistency_targets.wanted else [])
+        self._background_helpers = [background.spawn(model_cfg, self.cfg, obs_shape, num_actions, self.device, part)
+                                    for part in parts]
+
     def _background_turn(self, tensors: dict[str, torch.Tensor], stale: int) -> None:
-        """Start the helpers on the first batch; once all have ended, compile here (from the cache they filled)."""
-        if not self._background_helpers:
-            model_cfg, obs_shape, num_actions = self._build_args
-            parts = ["step"] + (["side"] if self._bootstrap.wanted or self._consistency_targets.wanted else [])
-            self._background_helpers = [background.start(model_cfg, self.cfg, obs_shape, num_actions, self.device,
-                                                         tensors, stale, part) for part in parts]
+        """Hand the first batch to the helpers; once all have ended, compile here (from the cache they filled)."""
+        if not self._background_started:
+            for helper in self._background_helpers:
+                background.hand_over(helper, tensors, stale)
             self._background_started = time.perf_counter()
-            log.info(f"compiling the learner's step in {len(parts)} helper processes ({', '.join(parts)}); updates "
+            log.info(f"compiling the learner's step in {len(self._background_helpers)} helper processes; updates "
                      "run eagerly until they are done")
             return
         helpers = self._background_helpers
@@ -405,8 +413,15 @@ class Learner:
             priorities = priorities.clone()  # the graph's outputs are rewritten by its next replay
             if graph.captures > captures:
                 what = "eager" if self._switch.compiled is None else self.compile_state.split(":")[-1] + " compiled"
+                since = ""
+                if self._graph_cache_counts is not None and self._switch.compiled is not None:
+                    # Compiles the capture itself caused (a guard that failed under it recompiles the step).
+                    now = _compile_cache_counts()
+                    since = (f"; compiles since the compiled step began: "
+                             f"{now['graph_cache_hit'] - self._graph_cache_counts['graph_cache_hit']} from the cache, "
+                             f"{now['graph_cache_miss'] - self._graph_cache_counts['graph_cache_miss']} new")
                 log.info(f"the {what} step replays as one CUDA graph from update {self.steps + 1} "
-                         "(learner.step_graph)")
+                         f"(learner.step_graph){since}")
             self.graph_updates += 1
         else:
             loss, stats, priorities, grad_norm = self._plain_update(tensors, lr)
@@ -509,7 +524,9 @@ class Learner:
         self.compile_cache_use = used
         if self.cfg.compile_backend == "inductor":
             text = ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in used.items())
-            (log.warning if used.get("graph_cache_miss") else log.info)(f"the compile here from the helpers' cache: {text}")
+            (log.warning if used.get("graph_cache_miss") else log.info)(
+                f"the compile here from the helpers' cache: {text}; {_compile_phases()}")
+            self._graph_cache_counts = now
 
     def _check_point(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """What a step changes besides the gradients: the BatchNorm statistics, and the RNG (augmentation)."""
@@ -841,20 +858,25 @@ def compile_in_helper(work: str) -> int:
     """A background compile's helper process (learner/background.py starts it): a learner of the same
     configuration compiles its part on the first batch (the step, or the side steps that make its inputs);
     exit code 0 when it compiled. It prints its time and the compile's longest phases, for the run's log."""
-    started = time.perf_counter()
-    args, batch = background.read_job(work)
+    entered = time.perf_counter()
+    args = background.read_args(work)
     learner = Learner(args["model_cfg"], args["cfg"], args["obs_shape"], args["num_actions"])
+    import torch._inductor.compile_fx  # noqa: F401  (imported while waiting, not while compiling)
+
+    ready = time.perf_counter()
+    batch, stale = background.wait_for_batch(work)
+    started = time.perf_counter()
     tensors = {k: v.to(learner.device) for k, v in batch.items()}
     part = args.get("part", "step")
     for _ in range(HELPER_UPDATES):
         if part == "side":
             learner._step_inputs(tensors)
         else:
-            learner._update(tensors, args["stale"])
+            learner._update(tensors, stale)
     if learner.device.type == "cuda":
         torch.cuda.synchronize()
-    print(f"rayzero background compile ({part}): {time.perf_counter() - started:.0f} s; {_compile_phases()}",
-          file=sys.stderr)
+    print(f"rayzero background compile ({part}): up in {ready - entered:.0f} s, waited {started - ready:.0f} s for "
+          f"the batch, compiled in {time.perf_counter() - started:.0f} s; {_compile_phases()}", file=sys.stderr)
     if part == "side":
         broken = [side.what for side in (learner._bootstrap, learner._consistency_targets)
                   if side.wanted and side.compiled is None]
