@@ -28,6 +28,7 @@ VARIANTS = {
     "batch_512": ["learner.batch_size=512"],
     "batch_1024": ["learner.batch_size=1024"],
     "gray64": ["env.grayscale=true", "env.image_size=64"],
+    "gray64_d8": ["env.grayscale=true", "env.image_size=64", "model.downsample=8"],  # LightZero's 8x8 latent
     "consistency": ["learner.consistency_weight=2", "replay.next_obs=true"],
     "consistency_step": ["learner.consistency_weight=2", "replay.next_obs=true", "learner.consistency_targets=step"],
     "consistency_separate": ["learner.consistency_weight=2", "replay.next_obs=true",

@@ -108,6 +108,9 @@ class ModelConfig:
     """ResNet: channels of the 1x1 convs before the value/reward/policy heads."""
     head_hidden: int = 32
     """ResNet: hidden width of the fully connected heads."""
+    downsample: int = 16
+    """ResNet: how much the representation shrinks each image side: 16 (EfficientZero's: 96x96 -> 6x6) or 8 (no
+    last average pool: LightZero's 64x64 grayscale frames -> 8x8)."""
     support_size: int = 300
     """Value and reward are categorical over [-support_size, support_size] after the h-transform (601 bins)."""
     value_prefix: bool = False
@@ -151,6 +154,7 @@ class ModelConfig:
             ("blocks", self.blocks >= 0, ">= 0"),
             ("reduced_channels", self.reduced_channels >= 1, ">= 1"),
             ("head_hidden", self.head_hidden >= 1, ">= 1"),
+            ("downsample", self.downsample in (8, 16), "8 or 16"),
             ("support_size", self.support_size >= 1, ">= 1"),
             ("transformer_dim", self.transformer_dim >= 1, ">= 1"),
             ("transformer_heads", self.transformer_heads >= 1 and self.transformer_dim % self.transformer_heads == 0,

@@ -229,7 +229,8 @@ class MLPNet(MuZeroNet):
 
 
 class ResNet(MuZeroNet):
-    """For stacked frames [B, C, H, W] uint8 (96x96 -> 6x6 latent, as in EfficientZero)."""
+    """For stacked frames [B, C, H, W] uint8 (96x96 -> 6x6 latent, as in EfficientZero; or, with
+    model.downsample=8, 64x64 -> 8x8, as in LightZero's Atari net)."""
 
     def __init__(self, obs_shape: tuple[int, ...], num_actions: int, cfg: ModelConfig):
         super().__init__()
@@ -239,8 +240,8 @@ class ResNet(MuZeroNet):
         self.support_size = cfg.support_size
         self.num_actions = num_actions
         self._norm = scale_latent if cfg.latent_norm == "minmax" else _unscaled
-        # Downsample x16: stride-2 conv, res, stride-2 conv, res, avgpool, res, avgpool.
-        self.down = nn.Sequential(
+        # Downsample x16: stride-2 conv, res, stride-2 conv, res, avgpool, res, avgpool (x8: without the last).
+        down = [
             nn.Conv2d(in_channels, c // 2, 3, stride=2, padding=1, bias=False),
             nn.BatchNorm2d(c // 2),
             nn.ReLU(),
@@ -252,9 +253,10 @@ class ResNet(MuZeroNet):
             nn.AvgPool2d(3, stride=2, padding=1),
             ResidualBlock(c),
             nn.AvgPool2d(3, stride=2, padding=1),
-        )
+        ]
+        self.down = nn.Sequential(*(down if cfg.downsample == 16 else down[:-1]))
         self.repr_blocks = nn.Sequential(*[ResidualBlock(c) for _ in range(cfg.blocks)])
-        latent_h, latent_w = -(-height // 16), -(-width // 16)
+        latent_h, latent_w = -(-height // cfg.downsample), -(-width // cfg.downsample)
         self.latent_shape = (c, latent_h, latent_w)
         # The action enters the dynamics as one-hot planes (LightZero's Atari encoding), not EfficientZero's one
         # plane of a / A: distinct actions whose codes are close (Pong's RIGHT and LEFT) then differ as much as any.
