@@ -68,6 +68,20 @@ def test_a_cancelled_evaluation_plays_no_further_and_says_so():
     assert worker.evaluate(weights, 2, 1000, seed=0, token=5)["returns"] == [-200.0, -200.0]  # used up
 
 
+def test_an_evaluation_with_a_time_budget_ends_its_episodes_where_they_are_and_counts_them():
+    """run.final_eval_seconds: MountainCar's 200-step episodes against a budget far shorter than they take end
+    early, each with its return so far (-1 a step) and counted as unfinished; without a budget they finish."""
+    args, weights = _mountain_car_worker()
+    worker = EvalWorker(*args, 0.99)
+    whole = worker.evaluate(weights, 2, 1000, seed=0)
+    assert whole["returns"] == [-200.0, -200.0] and whole["unfinished"] == 0
+    cut = worker.evaluate(weights, 2, 1000, seed=0, seconds=0.05)
+    assert not cut["cancelled"] and cut["unfinished"] == 2
+    assert 0 < cut["steps"] < 200 and cut["returns"] == [-float(cut["steps"])] * 2
+    capped = worker.evaluate(weights, 2, 50, seed=0)  # the step cap counts the same way
+    assert capped["returns"] == [-50.0, -50.0] and capped["unfinished"] == 2
+
+
 def test_the_evaluation_actor_takes_a_cancel_while_it_plays():
     """As the plan makes it (two threads), the actor ends an evaluation in play when cancelled: the run's end
     does not wait for an evaluation whose result it would not use."""

@@ -555,6 +555,10 @@ class RunConfig:
     """Greedy episodes per evaluation (and in the final one)."""
     eval_max_steps: int = 27_000
     """Step cap of an evaluation episode."""
+    final_eval_seconds: float = 0.0
+    """Wall-clock budget of the final evaluation (0 = none), so that a run ends soon after time_limit however
+    long its agent's games have grown: episodes still playing when it runs out count with their return so far,
+    as at eval_max_steps, and the summary says how many (`eval_unfinished`)."""
     stop_return: float = 0.0
     """Stop early once an evaluation's mean return reaches this (0 = never)."""
     # (learner step, temperature) pairs, typed loosely for OmegaConf: 2.3 cannot type a tuple of pairs (and
@@ -585,6 +589,7 @@ class RunConfig:
             ("eval_interval", self.eval_interval > 0, "> 0"),
             ("eval_episodes", self.eval_episodes >= 1, ">= 1"),
             ("eval_max_steps", self.eval_max_steps >= 1, ">= 1"),
+            ("final_eval_seconds", self.final_eval_seconds >= 0, ">= 0 (0 = no budget)"),
             ("log_interval", self.log_interval > 0, "> 0"),
             ("selfplay_steps_per_call", self.selfplay_steps_per_call >= 1, ">= 1"),
         ])

@@ -562,12 +562,14 @@ class Driver:
             "learner_steps": self.counters.learner_steps, "version": result["version"],
             "eval_return_mean": result["mean"], "eval_return_std": result["std"],
             "eval_episodes": len(result["returns"]),
-            **{f"eval_{key}": result[key] for key in ("seconds", "steps", "last_version", "search_seconds",
-                                                       "env_seconds", "queue_seconds", "device_seconds")
+            **{f"eval_{key}": result[key] for key in ("seconds", "steps", "unfinished", "last_version",
+                                                       "search_seconds", "env_seconds", "queue_seconds",
+                                                       "device_seconds")
                if key in result},
         })
-        log.info("eval v%d: %.1f ± %.1f over %d episodes", result["version"], result["mean"], result["std"],
-                 len(result["returns"]))
+        unfinished = result.get("unfinished", 0)
+        log.info("eval v%d: %.1f ± %.1f over %d episodes%s", result["version"], result["mean"], result["std"],
+                 len(result["returns"]), f" ({unfinished} cut short by its budget)" if unfinished else "")
 
     def _log_progress(self, metrics: MetricsLog, handles: cluster.Handles) -> None:
         elapsed = time.perf_counter() - self.start
@@ -609,8 +611,10 @@ class Driver:
         collect = None
         if self.last_eval is None or self.last_eval["version"] != version or \
                 len(self.last_eval["returns"]) != run.eval_episodes:
-            # It plays while the checkpoint is written (other actors), and is collected before the commit.
-            args = (final_weights, run.eval_episodes, run.eval_max_steps, run.seed + 10_000)
+            # It plays while the checkpoint is written (other actors), and is collected before the commit;
+            # run.final_eval_seconds bounds it, so that the run ends soon after its time limit.
+            args = (final_weights, run.eval_episodes, run.eval_max_steps, run.seed + 10_000, None,
+                    run.final_eval_seconds)
             playing = handles.evaluation.evaluate.remote(*args)
 
             def collect() -> None:
@@ -651,6 +655,7 @@ class Driver:
             "eval_return_mean": last_eval["mean"],
             "eval_return_std": last_eval["std"],
             "eval_episodes": len(last_eval["returns"]),
+            "eval_unfinished": last_eval.get("unfinished", 0),
             "eval_returns": last_eval["returns"],
             "best_eval_return": self.best_eval,
             "episodes": counters.episodes,

@@ -27,7 +27,7 @@ def greedy(search_cfg: SearchConfig) -> SearchConfig:
 def play_episodes(
     env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int,
     versions: list[int] | None = None, stop: Callable[[], bool] | None = None,
-    timing: dict[str, float] | None = None,
+    timing: dict[str, float] | None = None, finished: list[bool] | None = None,
 ) -> list[float]:
     """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns.
 
@@ -36,7 +36,8 @@ def play_episodes(
     `stop`, asked before every step, ends the episodes where they are (their returns so far). `timing`, when
     given, adds up seconds: `search` (each step's search, a round trip when remote), `env` (the env steps), and
     for remote searches `queue` and `device` (the inference actor's: before launch, and the batch on the GPU);
-    and `steps`, the batched steps played."""
+    and `steps`, the batched steps played. `finished`, when given, receives whether each episode ended (not cut
+    by `max_steps` or `stop`)."""
     env = make_vector_env(env_cfg, episodes, seed, training=False)
     config = greedy(search_cfg)
     generator = torch.Generator().manual_seed(seed)
@@ -72,6 +73,8 @@ def play_episodes(
                 break
     finally:
         env.close()
+        if finished is not None:
+            finished.extend(bool(d) for d in done)
         if timing is not None:
             for key, seconds in clock.items():
                 timing[key] = timing.get(key, 0.0) + seconds
@@ -104,27 +107,33 @@ class EvalWorker:
             self.network = self.network.on(server)
 
     def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int,
-                 token: int | None = None) -> dict[str, Any]:
+                 token: int | None = None, seconds: float = 0.0) -> dict[str, Any]:
         """Greedy episodes with `weights`; through the inference actor, with the weights it holds while the
         episodes play (the result's `version` is then the first step's, `last_version` the last step's).
         `token`: an id that `cancel` can name; a cancelled evaluation returns at once with `cancelled` true
-        (and its episodes' returns so far)."""
+        (and its episodes' returns so far). `seconds` > 0: a wall-clock budget, after which the episodes end
+        where they are. `unfinished` counts the episodes that a budget (of steps or seconds) or a cancel cut."""
         version, state_dict = weights
         self.network.set_weights(state_dict)
         versions: list[int] = []
         start = time.perf_counter()
 
-        def stop() -> bool:
+        def cancelled() -> bool:
             with self._lock:
                 return token is not None and token in self._cancelled
 
+        def stop() -> bool:
+            return cancelled() or (seconds > 0 and time.perf_counter() - start >= seconds)
+
         timing: dict[str, float] = {}
+        finished: list[bool] = []
         returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed, versions,
-                                stop, timing)
+                                stop, timing, finished)
         result = {"version": versions[0] if versions else version, "returns": returns,
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
-                  "seconds": time.perf_counter() - start, "steps": int(timing.pop("steps", 0)), "cancelled": stop(),
-                  **{f"{key}_seconds": seconds for key, seconds in timing.items()}}
+                  "seconds": time.perf_counter() - start, "steps": int(timing.pop("steps", 0)),
+                  "cancelled": cancelled(), "unfinished": finished.count(False),
+                  **{f"{key}_seconds": value for key, value in timing.items()}}
         if versions:
             result["last_version"] = versions[-1]
         with self._lock:
