@@ -47,6 +47,9 @@ def main() -> None:
                 per = {k: 1e3 * r.get(f"eval_{k}_seconds", 0.0) / r["eval_steps"] for k in ("search", "queue", "device", "env")}
                 print(f"      {r['eval_steps']} steps, {1e3 * r['eval_seconds'] / r['eval_steps']:.1f} ms each: search "
                       f"{per['search']:.1f} (queued {per['queue']:.1f}, on the GPU {per['device']:.1f}), env {per['env']:.1f}")
+            if r.get("eval_lengths"):  # each game: return / steps; the games a budget cut short
+                games = ", ".join(f"{g:g}/{n}" for g, n in zip(r.get("eval_returns", []), r["eval_lengths"]))
+                print(f"      games (return/steps): {games}; {r.get('eval_unfinished', 0)} cut short")
     evaluated = [r for r in rows if r.get("eval_return_mean") is not None]
     if evaluated:  # the report: the first evaluation at or above each return
         firsts = {t: next((r["wall_seconds"] for r in evaluated if r["eval_return_mean"] >= t), None)

@@ -45,6 +45,9 @@ def test_evaluation_through_the_inference_actor_plays_the_local_evaluations_epis
     assert 0 < remote["queue_seconds"] + remote["device_seconds"] < remote["search_seconds"]
     assert local["search_seconds"] > 0 and local["queue_seconds"] == local["device_seconds"] == 0
     assert local["steps"] == remote["steps"]  # the same games, played step for step
+    # CartPole pays 1 a step, the last included: each game's length is its return, and the longest one's is
+    # the batched steps played.
+    assert remote["lengths"] == [int(r) for r in remote["returns"]] and max(remote["lengths"]) == remote["steps"]
 
 
 def _mountain_car_worker():
@@ -74,12 +77,13 @@ def test_an_evaluation_with_a_time_budget_ends_its_episodes_where_they_are_and_c
     args, weights = _mountain_car_worker()
     worker = EvalWorker(*args, 0.99)
     whole = worker.evaluate(weights, 2, 1000, seed=0)
-    assert whole["returns"] == [-200.0, -200.0] and whole["unfinished"] == 0
+    assert whole["returns"] == [-200.0, -200.0] and whole["unfinished"] == 0 and whole["lengths"] == [200, 200]
     cut = worker.evaluate(weights, 2, 1000, seed=0, seconds=0.05)
     assert not cut["cancelled"] and cut["unfinished"] == 2
     assert 0 < cut["steps"] < 200 and cut["returns"] == [-float(cut["steps"])] * 2
+    assert cut["lengths"] == [cut["steps"]] * 2
     capped = worker.evaluate(weights, 2, 50, seed=0)  # the step cap counts the same way
-    assert capped["returns"] == [-50.0, -50.0] and capped["unfinished"] == 2
+    assert capped["returns"] == [-50.0, -50.0] and capped["unfinished"] == 2 and capped["lengths"] == [50, 50]
 
 
 def test_the_evaluation_actor_takes_a_cancel_while_it_plays():

@@ -27,7 +27,7 @@ def greedy(search_cfg: SearchConfig) -> SearchConfig:
 def play_episodes(
     env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int,
     versions: list[int] | None = None, stop: Callable[[], bool] | None = None,
-    timing: dict[str, float] | None = None, finished: list[bool] | None = None,
+    timing: dict[str, float] | None = None, finished: list[bool] | None = None, lengths: list[int] | None = None,
 ) -> list[float]:
     """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns.
 
@@ -46,6 +46,7 @@ def play_episodes(
         obs = env.reset(seed=seed)
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
+        steps = np.zeros(episodes, dtype=np.int64)
         clock = {"search": 0.0, "env": 0.0, "queue": 0.0, "device": 0.0, "steps": 0}
         for _ in range(max_steps):
             if stop is not None and stop():
@@ -67,6 +68,7 @@ def play_episodes(
             clock["env"] += time.perf_counter() - searched
             clock["steps"] += 1
             returns += np.where(done, 0.0, result.reward)
+            steps += ~done
             done |= result.terminated | result.truncated
             obs = result.obs
             if done.all():
@@ -75,6 +77,8 @@ def play_episodes(
         env.close()
         if finished is not None:
             finished.extend(bool(d) for d in done)
+        if lengths is not None:
+            lengths.extend(int(n) for n in steps)
         if timing is not None:
             for key, seconds in clock.items():
                 timing[key] = timing.get(key, 0.0) + seconds
@@ -112,7 +116,8 @@ class EvalWorker:
         episodes play (the result's `version` is then the first step's, `last_version` the last step's).
         `token`: an id that `cancel` can name; a cancelled evaluation returns at once with `cancelled` true
         (and its episodes' returns so far). `seconds` > 0: a wall-clock budget, after which the episodes end
-        where they are. `unfinished` counts the episodes that a budget (of steps or seconds) or a cancel cut."""
+        where they are. `unfinished` counts the episodes that a budget (of steps or seconds) or a cancel cut;
+        `lengths` gives each episode's steps (a greedy agent that stalls shows as games at the step cap)."""
         version, state_dict = weights
         self.network.set_weights(state_dict)
         versions: list[int] = []
@@ -127,12 +132,13 @@ class EvalWorker:
 
         timing: dict[str, float] = {}
         finished: list[bool] = []
+        lengths: list[int] = []
         returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed, versions,
-                                stop, timing, finished)
+                                stop, timing, finished, lengths)
         result = {"version": versions[0] if versions else version, "returns": returns,
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
                   "seconds": time.perf_counter() - start, "steps": int(timing.pop("steps", 0)),
-                  "cancelled": cancelled(), "unfinished": finished.count(False),
+                  "cancelled": cancelled(), "unfinished": finished.count(False), "lengths": lengths,
                   **{f"{key}_seconds": value for key, value in timing.items()}}
         if versions:
             result["last_version"] = versions[-1]
