@@ -6,9 +6,10 @@
 #
 # Everything lands in $OUT: train.out/.log, metrics.jsonl, summary.json, learning_curve.png, plan.json, dmon.txt,
 # probe.json (PROBE_DEVICE=cpu for a try on a CPU), agent.gif (GIF=1). A run of TIME_LIMIT s takes about TIME_LIMIT + 60 s, the probe up to 90 s more.
-# A bar run (TIME_LIMIT 540) does not fit a 600 s call with its final evaluation: TRAIN_TIMEOUT=550 PROBE=0 ends
-# it in time (SIGTERM starts rayzero's clean end, final evaluation included; -k 10 kills what is left 10 s later),
-# and metrics.jsonl and train.log are copied into $OUT every 10 s, so what it logged comes back.
+# A bar run (TIME_LIMIT 540) barely fits a 600 s call with its final evaluation (at most run.final_eval_seconds,
+# 40 s in the preset, plus ~10 s of checkpoint, after the limit; ~15 s of install before): TRAIN_TIMEOUT=584
+# PROBE=0 ends it in time (SIGTERM starts rayzero's clean end, final evaluation included; -k 10 kills what is left
+# 10 s later), and metrics.jsonl and train.log are copied into $OUT every 10 s, so what it logged comes back.
 set -u
 name=$1 limit=$2
 shift 2
