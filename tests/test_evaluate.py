@@ -1,6 +1,7 @@
 """Evaluation through the inference actor (how a GPU host evaluates) against the same weights searched locally."""
 
 import numpy as np
+import pytest
 import torch
 
 from rayzero.actors.evaluate import EvalWorker
@@ -48,6 +49,64 @@ def test_evaluation_through_the_inference_actor_plays_the_local_evaluations_epis
     # CartPole pays 1 a step, the last included: each game's length is its return, and the longest one's is
     # the batched steps played.
     assert remote["lengths"] == [int(r) for r in remote["returns"]] and max(remote["lengths"]) == remote["steps"]
+
+
+def test_a_pinned_evaluation_plays_its_own_weights_while_the_served_ones_change():
+    """inference.pinned_eval: an evaluation through the inference actor plays the weights it was given (the local
+    evaluation's games, step for step) although the actor serves other weights, before and while it plays;
+    without it, the same evaluation plays the served weights. A client not named by set_eval_weights keeps
+    the served weights, and the evaluation network refuses more roots than its graphs' bucket."""
+    import ray
+
+    from rayzero.inference.errors import InferenceError
+
+    env_cfg = EnvConfig(id="CartPole-v1")
+    model_cfg = ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=5)
+    search_cfg = SearchConfig(num_simulations=8)
+    spec = env_spec(env_cfg)
+
+    def random_weights(seed: int) -> dict:
+        model = build_model(model_cfg, spec.observation_shape, spec.num_actions)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    evaluated, served = (7, random_weights(7)), (9, random_weights(5))
+    local = {v: EvalWorker(env_cfg, model_cfg, search_cfg, 0.99).evaluate((v, w), 3, 60, seed=11)["returns"]
+             for v, w in (evaluated, served)}
+    assert local[7] != local[9]  # the two agents play differently
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    try:
+        results = {}
+        for pinned in (True, False):
+            cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, pinned_eval=pinned)
+            server = ray.remote(InferenceServer).options(max_concurrency=100).remote(
+                model_cfg, cfg, spec.observation_shape, spec.num_actions, 0, search_cfg=search_cfg, discount=0.99,
+                eval_rows=3)
+            ray.get(server.set_weights.remote(*served))
+            worker = ray.remote(EvalWorker).options(max_concurrency=2).remote(
+                env_cfg, model_cfg, search_cfg, 0.99, server=server)
+            ref = worker.evaluate.remote(evaluated, 3, 60, 11)
+            ray.get(server.set_weights.remote(*served))  # new served weights while it plays change nothing
+            results[pinned] = ray.get(ref)
+            if pinned:
+                obs = np.zeros((2, *spec.observation_shape), np.float32)
+                other = ray.get(server.search.remote("selfplay-0", obs, temperature=0.0, dirichlet_fraction=0.0,
+                                                     gumbel_scale=0.0))
+                assert other["version"] == 9  # not an evaluation's client: the served weights
+                eval_client = ray.get(worker.__ray_call__.remote(lambda w: w.network.client_id))
+                assert ray.get(server.stats.remote())["eval_version"] == 7
+                with pytest.raises(InferenceError, match="at most 4"):
+                    ray.get(server.search.remote(eval_client, np.zeros((5, *spec.observation_shape), np.float32),
+                                                 temperature=0.0, dirichlet_fraction=0.0, gumbel_scale=0.0))
+    finally:
+        ray.shutdown()
+    assert results[True]["pinned"] and results[True]["returns"] == local[7]
+    assert results[True]["version"] == results[True]["last_version"] == 7
+    assert not results[False]["pinned"] and results[False]["returns"] == local[9]
+    assert results[False]["version"] == 9
 
 
 def _mountain_car_worker():

@@ -313,3 +313,41 @@ def test_weight_swaps_while_new_search_graphs_are_captured():
     answers = asyncio.run(go())
     assert len(answers) == 12 and all(a["action"].shape == (12,) for a in answers)
     assert srv.version == 40 and srv.errors == 0
+
+
+def test_a_pinned_evaluation_searches_its_weights_on_graphs_captured_at_start():
+    """inference.pinned_eval on CUDA: an evaluation's greedy searches run on the evaluation network's graphs
+    (captured with the actor, none later), with the weights set_eval_weights gave it, while the served network
+    holds others: the answers are those of an actor that serves the evaluated weights, and carry its version.
+    Self-play's searches keep the served weights; new served weights leave the evaluation's alone."""
+    config = SearchConfig(num_simulations=8)
+    pinned = _server(bf16=False, search_cfg=config, merge_searches=True, pinned_eval=True)
+    assert pinned.eval_runner is None  # _server gives no eval_rows: no evaluation network
+    cfg = InferenceConfig(device="cuda", max_batch=128, min_bucket=8, max_wait_us=2000, search_max_batch=32,
+                          latent_pool_size=4096, bf16=False, merge_searches=True, pinned_eval=True)
+    pinned = InferenceServer(SMALL, cfg, OBS, A, seed=0, search_cfg=config, discount=0.99, eval_rows=10)
+    _randomize(pinned.model, seed=1)
+    reference = _server(bf16=False, search_cfg=config)  # serves the evaluated weights
+    _randomize(reference.model, seed=2)
+    evaluated = {k: v.cpu().clone() for k, v in reference.model.state_dict().items()}
+    graphs = pinned.stats()["search_graphs"] + len(pinned.eval_runner.searches)
+    obs = _obs(10, seed=5)
+    greedy = {"temperature": 0.0, "dirichlet_fraction": 0.0, "gumbel_scale": 0.0}
+
+    async def go():
+        assert await pinned.set_eval_weights(4, evaluated, "eval-1")
+        ours = await pinned.search("eval-1-search0", obs, **greedy)
+        served = await pinned.search("selfplay-0", obs, **greedy)
+        await pinned.set_weights(6, {k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v
+                                     for k, v in evaluated.items()})
+        again = await pinned.search("eval-1-search0", obs, **greedy)
+        return ours, served, again, await reference.search("eval-1-search0", obs, **greedy)
+
+    ours, served, again, expected = asyncio.run(go())
+    assert ours["version"] == again["version"] == 4 and served["version"] == 0
+    for answer in (ours, again):
+        np.testing.assert_array_equal(answer["visit_counts"], expected["visit_counts"])
+        np.testing.assert_allclose(answer["root_value"], expected["root_value"], rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(served["root_value"], ours["root_value"])  # the served network is another agent
+    assert pinned.stats()["search_graphs"] + len(pinned.eval_runner.searches) == graphs  # nothing captured mid-run
+    assert pinned.stats()["errors"] == 0

@@ -436,6 +436,12 @@ class InferenceConfig:
     """Whole searches that differ only in their acting settings (temperature, root-noise fraction or Gumbel
     scale) share batches, each row searching with its own: greedy evaluation and reanalyse join self-play's
     batches instead of taking the GPU for searches of their own (tree/noise.py, per-row settings)."""
+    pinned_eval: bool = False
+    """A second copy of the network, with graphs of its own captured at start, holds the weights an evaluation
+    was given (`set_eval_weights`), so that each evaluation plays one agent. Otherwise (false) an evaluation
+    searches with the served weights of each moment, which move on with the learner while its games play (an
+    evaluation of 100-190 s spans ~20 K updates in a Pong run); merged into self-play's batches, it costs no
+    searches of its own."""
     latent_timeout_s: float = 0.0
     """Free the latent slots of a client idle this long (seconds; 0 = only when the pool runs short, oldest
     client first)."""

@@ -566,7 +566,8 @@ class Driver:
             "learner_steps": self.counters.learner_steps, "version": result["version"],
             "eval_return_mean": result["mean"], "eval_return_std": result["std"],
             "eval_episodes": len(result["returns"]), "eval_returns": result["returns"],
-            **{f"eval_{key}": result[key] for key in ("seconds", "steps", "unfinished", "lengths", "last_version",
+            **{f"eval_{key}": result[key] for key in ("seconds", "steps", "unfinished", "lengths", "pinned",
+                                                       "last_version",
                                                        "search_seconds", "env_seconds", "queue_seconds",
                                                        "device_seconds")
                if key in result},

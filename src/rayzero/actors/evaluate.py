@@ -112,14 +112,19 @@ class EvalWorker:
 
     def evaluate(self, weights: tuple[int, dict], episodes: int, max_steps: int, seed: int,
                  token: int | None = None, seconds: float = 0.0) -> dict[str, Any]:
-        """Greedy episodes with `weights`; through the inference actor, with the weights it holds while the
-        episodes play (the result's `version` is then the first step's, `last_version` the last step's).
+        """Greedy episodes with `weights`; through the inference actor on its evaluation network, which holds
+        them (`pinned` true), or where it has none (inference.pinned_eval off) with the served weights of each
+        moment (the result's `version` is then the first step's, `last_version` the last step's).
         `token`: an id that `cancel` can name; a cancelled evaluation returns at once with `cancelled` true
         (and its episodes' returns so far). `seconds` > 0: a wall-clock budget, after which the episodes end
         where they are. `unfinished` counts the episodes that a budget (of steps or seconds) or a cancel cut;
         `lengths` gives each episode's steps (a greedy agent that stalls shows as games at the step cap)."""
         version, state_dict = weights
-        self.network.set_weights(state_dict)
+        if isinstance(self.network, RemoteNetwork):
+            pinned = self.network.pin(version, state_dict)
+        else:
+            self.network.set_weights(state_dict)
+            pinned = True
         versions: list[int] = []
         start = time.perf_counter()
 
@@ -139,6 +144,7 @@ class EvalWorker:
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
                   "seconds": time.perf_counter() - start, "steps": int(timing.pop("steps", 0)),
                   "cancelled": cancelled(), "unfinished": finished.count(False), "lengths": lengths,
+                  "pinned": pinned,
                   **{f"{key}_seconds": value for key, value in timing.items()}}
         if versions:
             result["last_version"] = versions[-1]

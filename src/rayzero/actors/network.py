@@ -126,6 +126,13 @@ class RemoteNetwork:
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The inference actor receives weights from the driver directly."""
 
+    def pin(self, version: int, state_dict: dict[str, torch.Tensor]) -> bool:
+        """Search with these weights from now on, on the inference actor's evaluation network
+        (inference.pinned_eval); False where it has none (the searches then play its served weights)."""
+        import ray
+
+        return bool(ray.get(self.server.set_eval_weights.remote(version, state_dict, self.client_id)))
+
     def _client(self, rows: int) -> Any:
         if self.client is None or rows > self.client.obs_rows:
             if self.client is not None:

@@ -163,7 +163,8 @@ def _inference_args(config: Config, spec: EnvSpec, p: Plan) -> tuple[tuple, dict
                                         latent_pool_size=p.latent_slots or config.inference.latent_pool_size)
     return ((config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
              p.inference.torch_threads(config.cluster.torch_threads)),
-            {"obs_dtype": spec.observation_dtype, "search_cfg": config.search, "discount": config.replay.discount})
+            {"obs_dtype": spec.observation_dtype, "search_cfg": config.search, "discount": config.replay.discount,
+             "eval_rows": config.run.eval_episodes})
 
 
 def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:

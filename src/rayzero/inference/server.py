@@ -65,7 +65,8 @@ WAVE_BATCHES = 2  # most unfinished wave jobs (recurrent batches from the wave q
 
 @dataclasses.dataclass
 class _Request:
-    key: Any  # 'initial', 'recurrent', ('search', SearchConfig) or ('search', SearchConfig, 'rows') when merged
+    key: Any  # 'initial', 'recurrent', ('search', SearchConfig), ('search', SearchConfig, 'rows') when merged, or
+    # ('search', SearchConfig, 'pinned') on the evaluation network (inference.pinned_eval)
     client: str
     payload: Any
     rows: int
@@ -88,14 +89,17 @@ class _Batch:
     version: int = 0
     launched: float = 0.0
     host_s: float = 0.0
+    runner: Runner | None = None  # the runner it was launched on (the evaluation network's, or the served one)
 
 
 class InferenceServer:
     def __init__(self, model_cfg: ModelConfig, cfg: InferenceConfig, obs_shape: tuple[int, ...], num_actions: int,
                  seed: int = 0, torch_threads: int = 1, *, obs_dtype: Any = None,
-                 search_cfg: SearchConfig | None = None, discount: float = 0.997):
+                 search_cfg: SearchConfig | None = None, discount: float = 0.997, eval_rows: int = 0):
         """obs_dtype: of the observations (default uint8 for [C, H, W], float32 otherwise); search_cfg and
-        discount: of whole-search requests (the run's `search` section and `replay.discount`)."""
+        discount: of whole-search requests (the run's `search` section and `replay.discount`); eval_rows: the
+        roots of an evaluation's greedy searches (run.eval_episodes), which inference.pinned_eval sizes the
+        evaluation network's graphs by."""
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.cfg = cfg
@@ -121,6 +125,20 @@ class InferenceServer:
             discount, seed).result()
         if self.cache is not None:
             self.gpu.submit(self.runner.enable_cache, cfg.cache_size).result()
+        # inference.pinned_eval: the evaluation network, its greedy search captured at start for one bucket.
+        self.eval_runner: Runner | None = None
+        self.eval_version = 0
+        self._pinned_clients: set[str] = set()
+        if cfg.pinned_eval and eval_rows > 0:
+            bucket = next((b for b in self.ladder if b >= eval_rows), self.ladder[-1])
+            self.eval_search_cfg = dataclasses.replace(self.search_cfg, **channels.GREEDY_OVERRIDES)
+            eval_cfg = dataclasses.replace(cfg, max_batch=bucket, min_bucket=bucket, search_max_batch=bucket,
+                                           merge_searches=False, latent_pool_size=bucket, cache_size=0)
+            eval_model = build_model(model_cfg, obs_shape, num_actions).to(self.device).eval()
+            eval_model.load_state_dict(self.model.state_dict())
+            self.eval_runner = self.gpu.submit(
+                Runner, eval_model, eval_cfg, self.obs_shape, self.obs_dtype, num_actions, [bucket],
+                self.eval_search_cfg, discount, seed + 1).result()
         self._queues: dict[Any, collections.deque[_Request]] = {}
         self._queued_rows: collections.Counter = collections.Counter()
         self._wake: asyncio.Event | None = None
@@ -202,6 +220,17 @@ class InferenceServer:
             return {"action": np.zeros(0, np.int64), "action_weights": np.zeros((0, self.num_actions), np.float32),
                     "visit_counts": np.zeros((0, self.num_actions), np.int64), "root_value": np.zeros(0, np.float32),
                     "version": self.version}
+        if self.eval_runner is not None and self._pinned(client):
+            # An evaluation's client (set_eval_weights): its searches play the evaluation network's weights.
+            if len(obs) > self.eval_runner.M:
+                self.errors += 1
+                raise InferenceError(f"search: {len(obs)} roots for the evaluation network, which takes at most "
+                                     f"{self.eval_runner.M} (the server's eval_rows)")
+            if config != self.eval_search_cfg:
+                self.errors += 1
+                raise InferenceError(f"search: the evaluation network only searches greedily "
+                                     f"({channels.GREEDY_OVERRIDES}); got overrides {overrides}")
+            return await self._submit(("search", config, "pinned"), client, (obs, mask), len(obs))
         merged = merged_search(config, self.search_cfg) if self.cfg.merge_searches else None
         if merged is not None:  # one batch for every request of the same search shape, each row its settings
             shape, settings = merged
@@ -436,6 +465,32 @@ class InferenceServer:
         await asyncio.wrap_future(self._stager.submit(swap))
         return version
 
+    async def set_eval_weights(self, version: int, state_dict: dict[str, torch.Tensor], client: str) -> bool:
+        """inference.pinned_eval: copy `state_dict` into the evaluation network, and search for every client whose
+        id starts with `client` (an evaluation's, its channels' included) with it from now on. Returns whether
+        this actor has an evaluation network (False: nothing changed, its searches play the served weights)."""
+        if self.eval_runner is None:
+            return False
+        runner = self.eval_runner
+
+        def swap() -> None:  # on the staging thread, in call order with set_weights' swaps
+            staged = runner.stage_weights(state_dict)
+            self.gpu.submit(self._apply_eval_weights, version, staged).result()
+
+        await asyncio.wrap_future(self._stager.submit(swap))
+        self._pinned_clients.add(client)
+        return True
+
+    def _pinned(self, client: str) -> bool:
+        """Whether `client` is an evaluation's (set_eval_weights named it, or it is one of its channels)."""
+        return any(client == name or client.startswith(name + "-") for name in self._pinned_clients)
+
+    def _apply_eval_weights(self, version: int, staged: dict[str, torch.Tensor]) -> None:
+        """GPU thread, between batches: the staged weights into the evaluation network."""
+        assert self.eval_runner is not None
+        self.eval_runner.apply_weights(staged)
+        self.eval_version = version
+
     async def set_published(self, weights: tuple[int, dict[str, torch.Tensor]]) -> int:
         """set_weights with a learner's `weights()` result as one argument: the driver hands over the ref, and Ray
         delivers the weights here once the learner has made them, without the driver waiting for them."""
@@ -476,7 +531,8 @@ class InferenceServer:
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
                 "gone_clients": self.gone_clients,
                 "cuda_graphs": len(self.runner.graphs), "search_graphs": len(self.runner.searches),
-                "capture_s": self.runner.capture_s,
+                "capture_s": self.runner.capture_s + (self.eval_runner.capture_s if self.eval_runner else 0.0),
+                "eval_version": self.eval_version if self.eval_runner is not None else None,
                 "cache": self.cache.stats() if self.cache is not None else None}
 
     def start_trace(self) -> None:
@@ -601,6 +657,8 @@ class InferenceServer:
         return min(heads)[2] if heads else None
 
     def _limit(self, key: Any) -> int:
+        if isinstance(key, tuple) and key[-1] == "pinned" and self.eval_runner is not None:
+            return self.eval_runner.M
         if isinstance(key, tuple) and self.cfg.search_max_batch > 0:
             return self.cfg.search_max_batch
         return self.cfg.max_batch
@@ -703,7 +761,9 @@ class InferenceServer:
     def _launch(self, key: Any, requests: list[_Request]) -> _Batch:
         start = time.perf_counter()
         kind = key if isinstance(key, str) else "search"
-        batch = _Batch(key, kind, requests, [None] * len(requests), version=self.version, launched=start)
+        pinned = isinstance(key, tuple) and key[-1] == "pinned" and self.eval_runner is not None
+        batch = _Batch(key, kind, requests, [None] * len(requests), version=self.eval_version if pinned else
+                       self.version, launched=start, runner=self.eval_runner if pinned else self.runner)
         try:
             if kind == "initial":
                 self._launch_initial(batch)
@@ -790,21 +850,22 @@ class InferenceServer:
             mask = np.concatenate([m if m is not None else np.zeros((len(o), self.num_actions), bool)
                                    for m, o in zip(masks, obs)])
         rows = None
-        if len(batch.key) == 3:  # a merged batch: each request's settings over its rows
+        if batch.key[-1] == "rows":  # a merged batch: each request's settings over its rows
             names = batch.requests[0].payload[2]
             rows = {name: np.concatenate([np.full(len(r.payload[0]), r.payload[2][name], np.float32)
                                           for r in batch.requests]) for name in names}
-        batch.flight = self.runner.launch_search(obs, mask, batch.key[1], rows)
+        batch.flight = (batch.runner or self.runner).launch_search(obs, mask, batch.key[1], rows)
 
     def _finish(self, batch: _Batch) -> list:
         """GPU thread: wait for the batch's outputs and split them into per-request answers."""
         try:
             if batch.flight is not None:
                 wait_start = time.perf_counter()
-                outputs = self.runner.wait(batch.flight)
+                runner = batch.runner or self.runner
+                outputs = runner.wait(batch.flight)
                 if self._trace is not None:
                     self._span("wait", wait_start, time.perf_counter(), "gpu thread")
-                    span = self.runner.device_span(batch.flight)
+                    span = runner.device_span(batch.flight)
                     if span is not None:
                         f = batch.flight
                         self._span(f"{f.kind} {f.rows}/{f.bucket}{' graph' if f.graph else ''}", *span, "device",
