@@ -85,6 +85,7 @@ def test_atari_smoke_train_then_eval(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["env_id"] == "ALE/Pong-v5" and summary["env_steps"] > 0 and summary["learner_steps"] > 0
     assert summary["eval_unfinished"] == 1  # no Pong game ends in 30 steps: cut by the step cap, and said so
+    assert summary["eval_lengths"] == [30]
     gif = tmp_path / "pong.gif"
     result = rayzero("eval", "--checkpoint", str(run_dir), "--episodes", "1", "--max-steps", "30", "--gif", str(gif))
     assert "ALE/Pong-v5" in result.stdout

@@ -662,6 +662,7 @@ class Driver:
             "eval_episodes": len(last_eval["returns"]),
             "eval_unfinished": last_eval.get("unfinished", 0),
             "eval_returns": last_eval["returns"],
+            "eval_lengths": last_eval.get("lengths"),
             "best_eval_return": self.best_eval,
             "episodes": counters.episodes,
             "reanalysed_this_run": counters.reanalysed,
