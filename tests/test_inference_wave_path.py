@@ -184,6 +184,9 @@ def test_concurrent_clients_each_get_their_own_rows_in_shared_batches(local):
             t.start()
         for t in threads:
             t.join(120)
+        if errors and all(isinstance(e, SystemError) and "AST constructor recursion depth mismatch" in str(e)
+                          for e in errors):  # the warm-up above did not keep it away (seen twice in 30 CI runs)
+            pytest.skip(f"CPython 3.11's python/cpython#106905 in a client thread: {errors[0]}")
         assert not errors, errors
         after = recurrent_buckets(served.server)
         requests, batches = delta(before, after, "requests"), delta(before, after, "count")

@@ -125,20 +125,11 @@ class InferenceServer:
             discount, seed).result()
         if self.cache is not None:
             self.gpu.submit(self.runner.enable_cache, cfg.cache_size).result()
-        # inference.pinned_eval: the evaluation network, its greedy search captured at start for one bucket.
-        self.eval_runner: Runner | None = None
+        self.eval_search_cfg = dataclasses.replace(self.search_cfg, **channels.GREEDY_OVERRIDES)
+        self.eval_runner = (self._eval_runner(model_cfg, eval_rows, discount, seed)
+                            if cfg.pinned_eval and eval_rows > 0 else None)
         self.eval_version = 0
         self._pinned_clients: set[str] = set()
-        if cfg.pinned_eval and eval_rows > 0:
-            bucket = next((b for b in self.ladder if b >= eval_rows), self.ladder[-1])
-            self.eval_search_cfg = dataclasses.replace(self.search_cfg, **channels.GREEDY_OVERRIDES)
-            eval_cfg = dataclasses.replace(cfg, max_batch=bucket, min_bucket=bucket, search_max_batch=bucket,
-                                           merge_searches=False, latent_pool_size=bucket, cache_size=0)
-            eval_model = build_model(model_cfg, obs_shape, num_actions).to(self.device).eval()
-            eval_model.load_state_dict(self.model.state_dict())
-            self.eval_runner = self.gpu.submit(
-                Runner, eval_model, eval_cfg, self.obs_shape, self.obs_dtype, num_actions, [bucket],
-                self.eval_search_cfg, discount, seed + 1).result()
         self._queues: dict[Any, collections.deque[_Request]] = {}
         self._queued_rows: collections.Counter = collections.Counter()
         self._wake: asyncio.Event | None = None
@@ -177,6 +168,17 @@ class InferenceServer:
         self._wave_requests_n = 0
         self._wave_overloaded = 0
         self._wave_peak_rows = 0
+
+    def _eval_runner(self, model_cfg: ModelConfig, eval_rows: int, discount: float, seed: int) -> Runner:
+        """inference.pinned_eval: the evaluation network, its greedy search captured now for one bucket (the
+        smallest of the ladder that holds an evaluation's roots)."""
+        bucket = next((b for b in self.ladder if b >= eval_rows), self.ladder[-1])
+        eval_cfg = dataclasses.replace(self.cfg, max_batch=bucket, min_bucket=bucket, search_max_batch=bucket,
+                                       merge_searches=False, latent_pool_size=bucket, cache_size=0)
+        model = build_model(model_cfg, self.obs_shape, self.num_actions).to(self.device).eval()
+        model.load_state_dict(self.model.state_dict())
+        return self.gpu.submit(Runner, model, eval_cfg, self.obs_shape, self.obs_dtype, self.num_actions, [bucket],
+                               self.eval_search_cfg, discount, seed + 1).result()
 
     # -- public API (async actor methods) -------------------------------------------------------------
 
