@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# One device call (~9 minutes), the checks before the next Pong runs:
-# 1. scripts/device_bisect3.sh (up to 5 minutes): the compiled step's gradients with the mix-order fix, the eager
-#    step replayed as one CUDA graph (learner.step_graph) against plain eager, and the GPU tests of the
-#    consistency step, the step graph and the per-row search graph;
-# 2. scripts/learner_cost.py: the preset's update alone on the GPU, compiled with inductor's CUDA graphs (the
-#    preset), compiled without them under the step graph, eager with and without the step graph, and batch 512.
+# One device call of checks before the notebook's runs: the GPU tests of the inference actor and the learner
+# (the pinned evaluation network's among them), then the preset's learner alone (`rayzero bench learner
+# --preset atari`: the rate a training run's colocated learner is held against, issue 11).
 #
-#   source .device/install.sh && bash scripts/device_checks.sh      # logs under $OUT
+#   source .device/install.sh && bash scripts/device_checks.sh
+#
+# Lands in $OUT: gpu_tests.txt, bench_learner_preset.json and .txt. About 6-8 minutes.
 set -u
 out=${OUT:-/tmp/device_checks}
-mkdir -p "$out/bisect"
-OUT="$out/bisect" LIMIT="${BISECT_LIMIT:-300}" bash scripts/device_bisect3.sh
-timeout "${COST_LIMIT:-240}" python3 scripts/learner_cost.py --variants "${VARIANTS:-preset,default_graph,eager,eager_graph,batch_512}" \
-    --json "$out/learner_cost.json" > "$out/learner_cost.txt" 2>&1
-tail -9 "$out/learner_cost.txt"
+mkdir -p "$out"
+timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_inference_gpu.py \
+    tests/test_learner_gpu.py > "$out/gpu_tests.txt" 2>&1
+echo "GPU tests (rc $?):"; grep -E "passed|failed|error" "$out/gpu_tests.txt" | tail -5
+grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -20
+timeout "${BENCH_TIMEOUT:-240}" python3 -m rayzero bench learner --preset atari --short \
+    --json "$out/bench_learner_preset.json" > "$out/bench_learner_preset.txt" 2>&1
+echo "bench learner --preset atari (rc $?):"; grep -v "A.L.E\|Stella" "$out/bench_learner_preset.txt" | tail -12
