@@ -120,11 +120,7 @@ class EvalWorker:
         where they are. `unfinished` counts the episodes that a budget (of steps or seconds) or a cancel cut;
         `lengths` gives each episode's steps (a greedy agent that stalls shows as games at the step cap)."""
         version, state_dict = weights
-        if isinstance(self.network, RemoteNetwork):
-            pinned = self.network.pin(version, state_dict)
-        else:
-            self.network.set_weights(state_dict)
-            pinned = True
+        pinned = self.network.pin(version, state_dict)
         versions: list[int] = []
         start = time.perf_counter()
 

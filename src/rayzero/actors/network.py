@@ -38,6 +38,11 @@ class LocalNetwork:
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         copy_into(self.model, state_dict)
 
+    def pin(self, version: int, state_dict: dict[str, torch.Tensor]) -> bool:
+        """Search with these weights from now on (this process's own copy: always pinned)."""
+        self.set_weights(state_dict)
+        return True
+
     @torch.inference_mode()
     def root(self, obs: np.ndarray) -> RootOutput:
         out = self.model.initial(torch.as_tensor(obs, device=self.device))

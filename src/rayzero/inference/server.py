@@ -63,6 +63,11 @@ _ANSWERED = object()  # the result of a fast-path request already written into i
 WAVE_BATCHES = 2  # most unfinished wave jobs (recurrent batches from the wave queue): one running, one waiting
 
 
+def _pinned_key(key: Any) -> bool:
+    """Whether a queue key is the evaluation network's (made only where the actor has one)."""
+    return isinstance(key, tuple) and key[-1] == "pinned"
+
+
 @dataclasses.dataclass
 class _Request:
     key: Any  # 'initial', 'recurrent', ('search', SearchConfig), ('search', SearchConfig, 'rows') when merged, or
@@ -659,7 +664,7 @@ class InferenceServer:
         return min(heads)[2] if heads else None
 
     def _limit(self, key: Any) -> int:
-        if isinstance(key, tuple) and key[-1] == "pinned" and self.eval_runner is not None:
+        if _pinned_key(key):
             return self.eval_runner.M
         if isinstance(key, tuple) and self.cfg.search_max_batch > 0:
             return self.cfg.search_max_batch
@@ -763,7 +768,7 @@ class InferenceServer:
     def _launch(self, key: Any, requests: list[_Request]) -> _Batch:
         start = time.perf_counter()
         kind = key if isinstance(key, str) else "search"
-        pinned = isinstance(key, tuple) and key[-1] == "pinned" and self.eval_runner is not None
+        pinned = _pinned_key(key)
         batch = _Batch(key, kind, requests, [None] * len(requests), version=self.eval_version if pinned else
                        self.version, launched=start, runner=self.eval_runner if pinned else self.runner)
         try:
