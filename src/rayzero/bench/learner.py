@@ -20,7 +20,8 @@ Rows per (GPUs, batch per GPU) for batch 1024 and 256; on GPUs also the NHWC lay
 Options for short device sessions: --batches, --compile-mode, --no-alternatives, --overlap (the 2-GPU group
 compiles together with the 1-GPU learner), --short, --capacity. `--preset atari [overrides]`: only the real loop
 and bare step of that preset's own learner (target network and all), the reference a training run's learner is
-compared with.
+compared with; where the preset colocates the learner with the inference actor (one GPU), in that actor's process
+as training runs it (--colocated yes/no forces either).
 
 Run: `rayzero bench learner [--quick] [--json PATH]` or `python -m rayzero.bench.learner [options]`.
 """
@@ -127,7 +128,7 @@ def _stop(learner: Any) -> None:
         ray.get(learner.close.remote(), timeout=30)
     except Exception:  # noqa: BLE001 - best effort
         pass
-    ray.kill(learner)
+    ray.kill(getattr(learner, "actor", learner))  # a LearnerHandle's actor (colocated), or the learner actor
 
 
 def _bare(sizes: Sizes, learner: Any, replay: Any, batch: int, steps: int) -> dict[str, Any]:
@@ -346,22 +347,40 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
             "seconds": time.perf_counter() - began}
 
 
-def preset_row(preset: str, overrides: list[str], sizes: Sizes, gpu: bool) -> dict[str, Any]:
+def preset_row(preset: str, overrides: list[str], sizes: Sizes, gpu: bool,
+               colocated: bool | None = None) -> dict[str, Any]:
     """The real loop and the bare step of a preset's own learner: its learner, model and replay sections (target
     network, consistency loss, batch, steps per call) on random segments of its env's observation shape, on one
     whole GPU. This is the "measured alone" reference that the one-GPU-host issue compares a training run's
-    learner with (observations stored whole here: replay.frame_stack=0)."""
+    learner with (observations stored whole here: replay.frame_stack=0).
+
+    colocated (default: on a GPU where the preset sets cluster.colocate_learner): the learner runs as training
+    runs it there, in a thread of the inference actor's process (`ColocatedLearner`, its own stream, the
+    thread's compile mode and step graph), with no self-play, so the reference is the training's code path."""
     from rayzero import config as config_lib
+    from rayzero.cluster.colocated import ColocatedLearner, LearnerHandle, thread_safe_compile
     from rayzero.envs import env_spec
 
     cfg = config_lib.load(preset, [*overrides, "replay.frame_stack=0", f"replay.capacity={sizes.capacity}",
                                    "replay.min_size=0", "replay.shared_obs=true"])
     spec = env_spec(cfg.env)
-    learner_cfg = dataclasses.replace(cfg.learner, device="cuda" if gpu else "cpu")
+    device = "cuda" if gpu else "cpu"
+    learner_cfg = dataclasses.replace(cfg.learner, device=device)
+    colocated = gpu and cfg.cluster.colocate_learner if colocated is None else colocated
     replay = ray.remote(SyntheticReplay).options(num_cpus=0).remote(cfg.replay, 0)
     filled = ray.get(replay.fill.remote(spec.observation_shape, spec.num_actions))
-    learner = ray.remote(Learner).options(num_cpus=0, num_gpus=1 if gpu else 0).remote(
-        cfg.model, learner_cfg, spec.observation_shape, spec.num_actions, 0, 1)
+    learner_args = (cfg.model, learner_cfg, spec.observation_shape, spec.num_actions, 0, 1)
+    if colocated:
+        inference_cfg = dataclasses.replace(cfg.inference, device=device)
+        actor = ray.remote(ColocatedLearner).options(num_cpus=0, num_gpus=1 if gpu else 0,
+                                                     max_concurrency=1000).remote(
+            (cfg.model, inference_cfg, spec.observation_shape, spec.num_actions, 0, 1),
+            {"obs_dtype": spec.observation_dtype, "search_cfg": cfg.search, "discount": cfg.replay.discount},
+            learner_args)
+        learner: Any = LearnerHandle(actor)
+        learner_cfg = thread_safe_compile(learner_cfg)  # what the row reports: the thread's compile mode
+    else:
+        learner = ray.remote(Learner).options(num_cpus=0, num_gpus=1 if gpu else 0).remote(*learner_args)
     try:
         t0 = time.perf_counter()
         info = ray.get(learner.train.remote(replay, learner_cfg.steps_per_call))  # compiles and captures
@@ -374,7 +393,7 @@ def preset_row(preset: str, overrides: list[str], sizes: Sizes, gpu: bool) -> di
         _stop(learner)
         ray.kill(replay)
     row.update({"preset": preset, "overrides": overrides, "obs_shape": list(spec.observation_shape),
-                "warm_seconds": time.perf_counter() - t0, "replay": filled,
+                "colocated": colocated, "warm_seconds": time.perf_counter() - t0, "replay": filled,
                 "target_network": learner_cfg.target_update_interval > 0,
                 "consistency_weight": learner_cfg.consistency_weight})
     print("  " + _row_text(row), flush=True)
@@ -519,6 +538,9 @@ if __name__ == "__main__":
     parser.add_argument("--timed-calls", type=int, default=0, help="timed calls per row (default 3)")
     parser.add_argument("--preset", default="",
                         help="only the real loop and bare step of this preset's own learner (e.g. atari)")
+    parser.add_argument("--colocated", choices=("auto", "yes", "no"), default="auto",
+                        help="with --preset: the learner in the inference actor's process, as training runs it "
+                             "(auto: where the preset colocates it on a GPU)")
     parser.add_argument("overrides", nargs="*", help="with --preset: section.field=value overrides")
     args = parser.parse_args()
     if args.overrides and not args.preset:
@@ -530,7 +552,8 @@ if __name__ == "__main__":
             sizes = QUICK if args.quick else FULL
             if args.capacity:
                 sizes = dataclasses.replace(sizes, capacity=args.capacity)
-            result = preset_row(args.preset, args.overrides, sizes, gpu)
+            colocated = {"auto": None, "yes": True, "no": False}[args.colocated]
+            result = preset_row(args.preset, args.overrides, sizes, gpu, colocated)
             write_json(args.json, "learner_preset", {"quick": args.quick, "rows": [result]})
         finally:
             ray.shutdown()
