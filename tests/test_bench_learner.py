@@ -1,6 +1,8 @@
 """`python -m rayzero.bench.learner --preset`: the learner-alone reference of a training run's learner."""
 import dataclasses
 
+import numpy as np
+
 import ray
 
 from rayzero.bench.learner import QUICK, preset_row
@@ -26,3 +28,27 @@ def test_the_preset_reference_runs_the_learner_where_training_runs_it():
         assert len(row["call_ms"]) == sizes.timed_calls
     # A thread other than the main one compiles without inductor's CUDA graphs (cluster/colocated.py).
     assert rows[True]["variant"].startswith("default") and rows[False]["variant"].startswith("reduce-overhead")
+
+
+def test_the_reference_trains_on_the_preset_games_frames():
+    """The bench's replay holds the preset's game as a run sees it: the frames of the env played with the
+    recorded actions, segment by segment (here 2 envs, 2 segments of 30 steps)."""
+    from rayzero import config as config_lib
+    from rayzero.bench.learner import SyntheticReplay
+    from rayzero.envs import env_spec, make_vector_env
+
+    cfg = config_lib.load("atari", ["replay.frame_stack=0", "replay.capacity=60", "replay.min_size=0",
+                                    "replay.shared_obs=false"])
+    replay = SyntheticReplay(cfg.replay, 0)
+    filled = replay.fill_from_env(cfg.env, env_spec(cfg.env).num_actions, length=30, seed=3, num_envs=2)
+    assert filled["frames"] == "env" and filled["total_added"] == 2 * 20  # 30 - 10 sampleable positions a segment
+    env = make_vector_env(cfg.env, 2, 3, training=True)
+    obs = env.reset()
+    first, second = np.arange(30), np.arange(30, 60)  # env 0's segment, then env 1's
+    actions = replay._arrays["action"]
+    assert obs.std() > 0  # a game's screen, not a blank one
+    for t in range(30):
+        assert np.array_equal(replay.obs_at(first[t:t + 1])[0], obs[0])
+        assert np.array_equal(replay.obs_at(second[t:t + 1])[0], obs[1])
+        obs = env.step(np.array([actions[first[t]], actions[second[t]]])).obs
+    env.close()

@@ -84,6 +84,37 @@ class SyntheticReplay(ReplayBuffer):
             ))
         return {**self.stats(), "shared": self.shared_paths is not None}
 
+    def fill_from_env(self, env_cfg: Any, num_actions: int, length: int = 200, seed: int = 0,
+                      num_envs: int = 16) -> dict:
+        """Segments of real frames: the env (a preset's game, its preprocessing) played with random actions, so
+        the learner trains on what a run feeds it rather than noise (search targets stay synthetic)."""
+        from rayzero.envs import make_vector_env
+
+        rng = np.random.default_rng(seed)
+        env = make_vector_env(env_cfg, num_envs, seed, training=True)
+        try:
+            obs = env.reset()
+            segments = self.capacity // length
+            while segments > 0:
+                frames = np.empty((length, *obs.shape), dtype=obs.dtype)
+                rewards = np.empty((length, num_envs), dtype=np.float32)
+                actions = rng.integers(0, num_actions, size=(length, num_envs))
+                for t in range(length):
+                    frames[t] = obs
+                    step = env.step(actions[t])
+                    obs, rewards[t] = step.obs, step.reward
+                for e in range(min(num_envs, segments)):
+                    self.add(Segment(
+                        obs=np.ascontiguousarray(frames[:, e]), actions=actions[:, e], rewards=rewards[:, e],
+                        policies=rng.dirichlet(np.ones(num_actions), size=length).astype(np.float32),
+                        root_values=np.zeros(length, np.float32), num_sampleable=length - 10, terminal=False,
+                        bootstrap_value=0.0,
+                    ))
+                    segments -= 1
+        finally:
+            env.close()
+        return {**self.stats(), "shared": self.shared_paths is not None, "frames": "env"}
+
 
 def _learner_cfg(batch: int, gpu: bool, v: Variant) -> LearnerConfig:
     return LearnerConfig(batch_size=batch, lr=1e-3, lr_warmup_steps=100, device="cuda" if gpu else "cpu",
@@ -350,7 +381,7 @@ def run(sizes: Sizes, gpu: bool, worlds: list[int], progress: Any = None,
 def preset_row(preset: str, overrides: list[str], sizes: Sizes, gpu: bool,
                colocated: bool | None = None) -> dict[str, Any]:
     """The real loop and the bare step of a preset's own learner: its learner, model and replay sections (target
-    network, consistency loss, batch, steps per call) on random segments of its env's observation shape, on one
+    network, consistency loss, batch, steps per call) on segments of its own game played at random, on one
     whole GPU. This is the "measured alone" reference that the one-GPU-host issue compares a training run's
     learner with (observations stored whole here: replay.frame_stack=0).
 
@@ -368,7 +399,9 @@ def preset_row(preset: str, overrides: list[str], sizes: Sizes, gpu: bool,
     learner_cfg = dataclasses.replace(cfg.learner, device=device)
     colocated = gpu and cfg.cluster.colocate_learner if colocated is None else colocated
     replay = ray.remote(SyntheticReplay).options(num_cpus=0).remote(cfg.replay, 0)
-    filled = ray.get(replay.fill.remote(spec.observation_shape, spec.num_actions))
+    # The preset's own game, played at random, as the frames: on uniform noise the compiled step failed the
+    # learner's compile check where a run's passed (docs/benchmarks.md, seventeenth session).
+    filled = ray.get(replay.fill_from_env.remote(cfg.env, spec.num_actions))
     learner_args = (cfg.model, learner_cfg, spec.observation_shape, spec.num_actions, 0, 1)
     if colocated:
         inference_cfg = dataclasses.replace(cfg.inference, device=device)
