@@ -127,6 +127,18 @@ def test_missing_and_corrupt_checkpoints_fail_clearly(tmp_path):
         Learner(MODEL, LEARNER, (4,), 2).load(str(path))
 
 
+def test_a_checkpoint_copied_without_its_replay_and_optimizer_still_gives_its_weights(tmp_path):
+    """`rayzero eval` needs the weights alone (ckpt.latest(..., files=(MODEL,))): a run's checkpoint copied off a
+    machine without its replay snapshot (GBs) or optimizer plays; a corrupt copy of the weights still fails."""
+    paths = _three_checkpoints(tmp_path)
+    for name in ("replay.npz", "optimizer.pt"):
+        (paths[-1] / name).unlink()
+    assert ckpt.latest(tmp_path, files=(ckpt.MODEL,)) == paths[-1]
+    assert ckpt.latest(tmp_path) == paths[-2]  # a resume needs everything: the newest complete one
+    (paths[-1] / ckpt.MODEL).write_bytes(b"garbage")
+    assert ckpt.latest(tmp_path, files=(ckpt.MODEL,)) == paths[-2]
+
+
 def test_commit_is_atomic_and_prunes(tmp_path):
     learner = Learner(MODEL, LEARNER, (4,), 2)
     for step in range(5):

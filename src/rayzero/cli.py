@@ -117,7 +117,7 @@ def _eval(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
     except ValueError as error:
         raise UsageError(f"--device: {error}") from None
-    checkpoint = ckpt.latest(args.checkpoint)
+    checkpoint = ckpt.latest(args.checkpoint, files=(ckpt.MODEL,))  # the weights are all it plays with
     config_path = next((p / "config.yaml" for p in (checkpoint, *checkpoint.parents) if (p / "config.yaml").exists()),
                        None)
     if config_path is None:

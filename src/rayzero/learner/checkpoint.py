@@ -22,11 +22,13 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 CHECKSUMS = "checksums.json"
+MODEL = "model.safetensors"
 _warned: set[tuple[str, Path]] = set()
 
 
@@ -94,10 +96,10 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def verify(checkpoint: Path) -> None:
-    """Check every file of a checkpoint against its checksums.json; a CheckpointError names the first bad file.
-
-    Checkpoints written before checksums existed (no checksums.json) pass unchecked."""
+def verify(checkpoint: Path, files: Collection[str] | None = None) -> None:
+    """Check every file of a checkpoint (or only `files`, e.g. the weights alone for an evaluation: a copy of a
+    run's checkpoint without its GBs of replay snapshot) against its checksums.json; a CheckpointError names the
+    first bad file. Checkpoints written before checksums existed (no checksums.json) pass unchecked."""
     sums_path = checkpoint / CHECKSUMS
     if not sums_path.exists():
         return
@@ -106,6 +108,8 @@ def verify(checkpoint: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"checkpoint {str(checkpoint)!r}: {CHECKSUMS} is unreadable ({error})") from None
     for name, digest in sums.items():
+        if files is not None and name not in files:
+            continue
         path = checkpoint / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {str(checkpoint)!r}: {name} is missing")
@@ -114,21 +118,22 @@ def verify(checkpoint: Path) -> None:
                                   f"{CHECKSUMS}; truncated or half-written?)")
 
 
-def _check(checkpoint: Path) -> None:
+def _check(checkpoint: Path, files: Collection[str] | None = None) -> None:
     if not (checkpoint / "state.json").exists():
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} is incomplete or missing (no state.json)")
-    verify(checkpoint)
+    verify(checkpoint, files)
 
 
-def latest(run_dir: str | os.PathLike) -> Path:
+def latest(run_dir: str | os.PathLike, files: Collection[str] | None = None) -> Path:
     """The newest complete, valid checkpoint of a run dir (or the path of a checkpoint dir itself, checked).
 
     If the checkpoint `latest` names is missing or fails its checksums, one warning line names the bad file
     and the newest older valid checkpoint is used; a CheckpointError lists every problem when none is valid.
+    `files`: only these of its files need to be there and valid (default: all of them).
     """
     path = Path(run_dir)
     if (path / "state.json").exists():
-        verify(path)
+        verify(path, files)
         return path
     root = path / CHECKPOINTS
     pointer = root / LATEST
@@ -139,7 +144,7 @@ def latest(run_dir: str | os.PathLike) -> Path:
     problems = []
     for candidate in (named, *older):
         try:
-            _check(candidate)
+            _check(candidate, files)
         except CheckpointError as error:
             problems.append(str(error))
             continue
