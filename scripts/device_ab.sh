@@ -34,6 +34,7 @@ for variant in "$@"; do
     pids="$pids $!"
     sleep "${STAGGER:-3}"  # the Ray instances start one after another
 done
+# shellcheck disable=SC2086  # the pids are separate words
 wait $pids
 i=0
 for variant in "$@"; do

@@ -15,6 +15,7 @@ mkdir -p "$out"
 tests=${TESTS-tests/test_inference_gpu.py tests/test_learner_gpu.py}
 if [ -n "$tests" ]; then
     # -v: one line per test, so a timeout still says which ran and which did not.
+    # shellcheck disable=SC2086  # the test files are separate words
     timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -v -p no:cacheprovider $tests > "$out/gpu_tests.txt" 2>&1
     echo "GPU tests (rc $?):"; grep -cE " PASSED" "$out/gpu_tests.txt" | sed 's/$/ passed/'
     grep -E " (FAILED|ERROR)|passed|failed" "$out/gpu_tests.txt" | tail -20
