@@ -90,22 +90,45 @@ def test_evaluation_every_interval_once_the_learner_has_stepped():
 
 
 def test_no_evaluation_starts_that_would_end_past_the_time_limit():
-    """A run ends within a minute of --time-limit: an evaluation as long as the last one that would end after the
-    limit is not started (the final evaluation plays the final weights at the limit instead)."""
+    """A run ends within a minute of --time-limit: an evaluation expected to end after the limit (1.2 times the
+    longest so far) is not started (the final evaluation plays the final weights at the limit instead)."""
     rules = Rules(**{**RULES.__dict__, "eval_interval": 10.0, "time_limit": 100.0})
     schedule = Schedule(rules, start=0.0)
     stepped = Counters(learner_steps=5)
     assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=50.0))
-    schedule.evaluated(80.0)  # it took 30 s
-    assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=90.0))  # would end at 120
-    short = Schedule(rules, start=0.0)
-    assert (EVAL, 0) in roles(short.next_calls(stepped, set(), [], now=60.0))
-    short.evaluated(65.0)  # 5 s
-    assert (EVAL, 0) in roles(short.next_calls(stepped, set(), [], now=90.0))  # ends at 95
+    schedule.evaluated(80.0)  # it took 30 s: the next one is expected to take 36
+    for now in (90.0, 95.0, 99.0):
+        assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=now))
     endless = Schedule(Rules(**{**RULES.__dict__, "eval_interval": 10.0}), start=0.0)  # no time limit
     assert (EVAL, 0) in roles(endless.next_calls(stepped, set(), [], now=50.0))
     endless.evaluated(80.0)
     assert (EVAL, 0) in roles(endless.next_calls(stepped, set(), [], now=90.0))
+
+
+def test_the_last_evaluation_within_the_time_limit_starts_as_late_as_it_can():
+    """With a limit of 540 s and evaluations of up to 60 s (72 s expected), the last one starts at 468 s, ahead of
+    the interval if need be; a regular one that would still be playing at 468 s waits for it instead."""
+    rules = Rules(**{**RULES.__dict__, "eval_interval": 60.0, "time_limit": 540.0})
+    schedule = Schedule(rules, start=0.0)
+    stepped = Counters(learner_steps=5)
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=60.0))
+    schedule.evaluated(120.0)  # 60 s: the next are expected to take 72 s
+    assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=170.0))  # the interval
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=180.0))  # ends by ~252: before 468
+    schedule.evaluated(230.0)
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=290.0))
+    schedule.evaluated(340.0)
+    # Due at 400 it would play until ~472, past 468: it waits, and the last one starts at 468 (not at 460).
+    for now in (400.0, 430.0, 467.9):
+        assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=now))
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=468.0))
+    schedule.evaluated(520.0)
+    assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=530.0))  # the limit is too near
+    # A short evaluation that is due well before the last one's start still runs at its interval.
+    early = Schedule(rules, start=0.0)
+    assert (EVAL, 0) in roles(early.next_calls(stepped, set(), [], now=60.0))
+    early.evaluated(65.0)
+    assert (EVAL, 0) in roles(early.next_calls(stepped, set(), [], now=125.0))
 
 
 def test_ends_at_the_time_limit():

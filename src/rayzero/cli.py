@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def _train(args: argparse.Namespace) -> int:
         check_resumable(run_dir)  # a URI is checked after it is fetched
     elif not args.resume and not is_uri(args.out):
         check_fresh(run_dir)  # never append to another run's metrics and checkpoints
-    summary = train(config, args.out, resume=args.resume)
+    summary = train(config, args.out, resume=args.resume, started=args.started)
     print(json.dumps({k: summary[k] for k in ("env_id", "env_steps", "learner_steps", "eval_return_mean")}))
     return 0
 
@@ -200,6 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()  # `--time-limit` counts from here: start-up (imports, Ray) included
     from rayzero.config import ConfigError
     from rayzero.learner.checkpoint import CheckpointError
 
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    args.started = started
     handlers = {"train": _train, "eval": _eval, "bench": _bench, "config": _config}
     try:
         return handlers[args.command](args)

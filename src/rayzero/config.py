@@ -550,7 +550,8 @@ class RunConfig:
     seed: int = 0
     """Seeds envs, networks and search noise."""
     time_limit: float = 0.0
-    """Wall-clock seconds of training (0 = no limit)."""
+    """Wall-clock seconds of the run (0 = no limit); `rayzero train` counts them from its own start, start-up
+    (imports, Ray, building the actors) included, as do the metrics' `wall_seconds`."""
     max_env_steps: int = 0
     """Stop after this many env steps (0 = no limit)."""
     max_learner_steps: int = 0

@@ -10,8 +10,11 @@ cluster (tests/test_schedule.py):
     (or until replay holds `learner.warmup_transitions`), and the ratio then counts from that point, so
     neither side starts out stalled;
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
-  * evaluation every `run.eval_interval` seconds once the learner has stepped, except one that the last
-    evaluation's duration says would end past the time limit (the final evaluation follows at the limit);
+  * evaluation every `run.eval_interval` seconds once the learner has stepped. With a time limit, the last
+    evaluation that can end within it starts as late as it can: at the limit less the longest evaluation so far
+    (with a margin), even before the interval is up; a regular one that would still be playing then, or any that
+    would end past the limit, is not started (the final evaluation follows at the limit). So a time-limited run's
+    last evaluation plays the freshest weights it can, where a fixed cadence could leave its last minutes unseen;
   * a role never has two calls in flight, except the learner, which has `learner.calls_in_flight` queued (its
     actor runs them in order), all counted in the ratio;
   * the run stops at the first limit reached (interrupt, time, env steps, learner steps).
@@ -25,6 +28,9 @@ from collections.abc import Callable, Collection
 from rayzero.config import Config
 
 COLLECT, LEARN, REANALYSE, EVAL = "collect", "learn", "reanalyse", "eval"
+EVAL_MARGIN = 1.2
+"""The next evaluation is expected to take up to this times the longest one so far (games lengthen as the
+agent improves)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +128,7 @@ class Schedule:
         now = start if now is None else now
         self.next_eval = now + rules.eval_interval
         self.eval_started = 0.0
-        self.eval_seconds = 0.0  # how long the last evaluation took
+        self.longest_eval = 0.0  # seconds
         self.next_log = now + rules.log_interval
         interval = rules.checkpoint_interval
         self.next_checkpoint = (learner_steps // interval + 1) * interval
@@ -167,11 +173,23 @@ class Schedule:
             if ready and (REANALYSE, i) not in in_flight and counters.reanalysed < rules.reanalyse_fraction * samples:
                 calls.append(Call(REANALYSE, i, shard=self.reanalyse_calls % rules.num_shards))
                 self.reanalyse_calls += 1
-        if (EVAL, 0) not in in_flight and now >= self.next_eval and counters.learner_steps > 0 and \
-                not (rules.time_limit and now + self.eval_seconds > self.start + rules.time_limit):
+        if (EVAL, 0) not in in_flight and counters.learner_steps > 0 and self._eval_due(now):
             self.eval_started = now
             calls.append(Call(EVAL))
         return calls
+
+    def _eval_due(self, now: float) -> bool:
+        """Whether an evaluation starts now (none in flight, the learner has stepped): see the module docstring."""
+        if not self.rules.time_limit:
+            return now >= self.next_eval
+        end = self.start + self.rules.time_limit
+        expected = EVAL_MARGIN * self.longest_eval
+        if now + expected > end:
+            return False  # it would not end in time
+        last_start = end - expected
+        if now >= last_start:
+            return True  # the last one that ends within the limit, as late as it can start
+        return now >= self.next_eval and now + expected <= last_start  # done before the last one is due
 
     def learned(self, counters: Counters) -> None:
         """A learner call returned (counters updated). After the run's first, the ratio counts from here: the
@@ -185,7 +203,7 @@ class Schedule:
 
     def evaluated(self, now: float) -> None:
         """An evaluation ended: the next one is due an interval later."""
-        self.eval_seconds = max(0.0, now - self.eval_started)
+        self.longest_eval = max(self.longest_eval, now - self.eval_started)
         self.next_eval = now + self.rules.eval_interval
 
     def log_due(self, now: float) -> bool:

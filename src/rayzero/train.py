@@ -135,7 +135,7 @@ def check_resumable(run_dir: Path) -> tuple[Path, dict]:
 class Driver:
     """One training run: the roles' handles, the counters, the calls in flight."""
 
-    def __init__(self, config: Config, out: str, resume: bool):
+    def __init__(self, config: Config, out: str, resume: bool, started: float | None = None):
         self.config = config
         self.storage = RunStorage(out, config.run.local_dir)
         self.run_dir = self.storage.local
@@ -145,7 +145,8 @@ class Driver:
         self.at_start = Counters()  # the counters restored from the checkpoint (zero for a new run)
         self.replay_at_start = {"size": 0, "total_added": 0}
         self.wall_before = 0.0
-        self.start = time.perf_counter()
+        self.started = started  # the clock's origin if given (`rayzero train`'s start), else the roles' build
+        self.start = time.perf_counter() if started is None else started
         self.last_eval: dict[str, Any] | None = None
         self.best_eval = -math.inf
         self.train_returns: list[float] = []
@@ -230,7 +231,7 @@ class Driver:
                         "waits for a node with room (on one machine it never starts). Lower cluster.selfplay_cpus "
                         "or another role's CPUs, or give Ray more with cluster.num_cpus", missing,
                         resources.get("CPU", 0.0))
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if self.started is None else self.started
         handles = self.handles = cluster.build(config, self.spec, plan, run_dir=str(run_dir))
         if checkpoint is not None:
             ray.get([handles.learner.load.remote(str(checkpoint)), *handles.replay.restore(checkpoint)])
@@ -681,6 +682,8 @@ class Driver:
         }
 
 
-def train(config: Config, out: str | Path, resume: bool = False) -> dict[str, Any]:
-    """Train; `out` is a run directory or a storage URI (s3://, gs://, file://)."""
-    return Driver(config, str(out), resume).run()
+def train(config: Config, out: str | Path, resume: bool = False, started: float | None = None) -> dict[str, Any]:
+    """Train; `out` is a run directory or a storage URI (s3://, gs://, file://). `started`: the
+    `time.perf_counter()` the run's clock (run.time_limit, metrics' wall_seconds) counts from: `rayzero train`
+    passes its own start, so that start-up (imports, Ray) counts; default: when the roles are built."""
+    return Driver(config, str(out), resume, started).run()
