@@ -1122,3 +1122,32 @@ def test_the_step_graphs_body_is_the_update_it_replaces(compiled):
     for name, weight in plain.model.state_dict().items():
         torch.testing.assert_close(graphed.model.state_dict()[name], weight, rtol=1e-5, atol=1e-6, msg=name)
     assert all(isinstance(group["lr"], float) for group in graphed.optimizer.param_groups)
+
+
+@pytest.mark.parametrize("kind, obs_shape, extra", [
+    ("mlp", (4,), {}),
+    ("resnet", (4, 32, 32), {"channels": 8, "downsample": 8}),
+    ("resnet", (4, 32, 32), {"channels": 8, "downsample": 8, "value_prefix": True}),
+])
+def test_a_recurrent_steps_scalars_decode_its_own_logits(kind, obs_shape, extra):
+    """The search reads the decoded value and reward (computed together, in one pass over both heads); they are
+    what its logits decode to, one head at a time, and each row's alone (rows do not mix)."""
+    from rayzero.models import build_model, support_to_scalar
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind=kind, support_size=20, **extra), obs_shape, 3).eval()
+    for p in model.parameters():  # the heads start at zero: give them something to decode
+        p.data.normal_(0, 0.3)
+    with torch.no_grad():
+        root = model.initial(torch.randint(0, 255, (5, *obs_shape), dtype=torch.uint8) if len(obs_shape) > 1
+                             else torch.randn(5, *obs_shape))
+        out = model.recurrent(root.latent, torch.tensor([0, 1, 2, 1, 0]))
+        one = model.recurrent(root.latent[2:3], torch.tensor([2]))
+    torch.testing.assert_close(out.value, support_to_scalar(out.value_logits, 20), rtol=1e-6, atol=1e-6)
+    if not extra.get("value_prefix"):
+        torch.testing.assert_close(out.reward, support_to_scalar(out.reward_logits, 20), rtol=1e-6, atol=1e-6)
+    else:  # a root's prefix is 0: the first step's reward is its prefix
+        torch.testing.assert_close(out.reward, support_to_scalar(out.reward_logits, 20), rtol=1e-5, atol=1e-5)
+    assert out.value.abs().max() > 1e-3 and out.reward.abs().max() > 1e-3
+    torch.testing.assert_close(one.value, out.value[2:3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one.reward, out.reward[2:3], rtol=1e-5, atol=1e-5)

@@ -126,6 +126,11 @@ class MuZeroNet(nn.Module):
 
     # -- what search sees ----------------------------------------------------------------------------------
 
+    def _scalars(self, *logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The scalars of several [B, bins] heads in one pass over them stacked: a search step is bound by its
+        number of kernels (tens per simulation at small batches), and each support_to_scalar is ~15 of them."""
+        return support_to_scalar(torch.stack([x.float() for x in logits]), self.support_size).unbind(0)
+
     def initial(self, obs: torch.Tensor) -> NetworkOutput:
         """obs [B, *obs_shape] -> NetworkOutput with reward 0."""
         latent = self.represent(obs)
@@ -152,10 +157,11 @@ class MuZeroNet(nn.Module):
             return self._recurrent_prefix(latent, action)
         next_latent, reward_logits = self.dynamics(latent, action)
         policy_logits, value_logits = self.predict(next_latent)
+        value, reward = self._scalars(value_logits, reward_logits)
         return NetworkOutput(
             next_latent,
-            support_to_scalar(value_logits, self.support_size),
-            support_to_scalar(reward_logits, self.support_size),
+            value,
+            reward,
             policy_logits.float(),
             value_logits.float(),
             reward_logits.float(),
@@ -166,17 +172,17 @@ class MuZeroNet(nn.Module):
         latent, h, c, parent_prefix, depth = self.unpack(packed)
         next_latent = self.transition(latent, action)
         prefix_logits, (h, c) = self.prefix_step(next_latent, (h, c))
-        prefix = support_to_scalar(prefix_logits, self.support_size)
+        policy_logits, value_logits = self.predict(next_latent)
+        value, prefix = self._scalars(value_logits, prefix_logits)
         reward = prefix - parent_prefix
         depth = depth + 1
         # At the horizon the children start a new prefix from zero, with a fresh LSTM state.
         restart = (torch.remainder(depth, self.prefix_horizon) == 0).unsqueeze(1)
         h, c = torch.where(restart, 0.0, h), torch.where(restart, 0.0, c)
         prefix = torch.where(restart.squeeze(1), 0.0, prefix)
-        policy_logits, value_logits = self.predict(next_latent)
         return NetworkOutput(
             self.pack(next_latent, h, c, prefix, depth),
-            support_to_scalar(value_logits, self.support_size),
+            value,
             reward,
             policy_logits.float(),
             value_logits.float(),
