@@ -15,6 +15,7 @@ name=$1 limit=$2
 shift 2
 out=${OUT:-/tmp/$name.out}
 mkdir -p "$out"
+rm -rf "/tmp/$name"  # this script's run dir: a NAME used before on a warm machine starts afresh
 # The two watchers let go of this script's stdout and stderr (a caller's `| tail` would otherwise wait for them
 # past the end: run 19's call ran into the call's limit so) and stop when the script does.
 nvidia-smi dmon -s u -d 5 > "$out/dmon.txt" 2>&1 < /dev/null &
@@ -22,7 +23,7 @@ watchers=$!
 (while sleep 10; do cp "/tmp/$name/metrics.jsonl" "$out/" 2>/dev/null; done) > /dev/null 2>&1 < /dev/null &
 watchers="$watchers $!"
 trap 'kill $watchers 2>/dev/null' EXIT
-timeout -k 10 "${TRAIN_TIMEOUT:-$((limit + 90))}" python3 -m rayzero train --config atari --out "/tmp/$name" --time-limit "$limit" "$@" \
+timeout -k 10 "${TRAIN_TIMEOUT:-$((limit + 90))}" python3 -m rayzero train --config "${CONFIG:-atari}" --out "/tmp/$name" --time-limit "$limit" "$@" \
     > "$out/train.out" 2> "$out/train.log"
 for f in metrics.jsonl summary.json learning_curve.png plan.json; do cp "/tmp/$name/$f" "$out/" 2>/dev/null; done
 # The newest checkpoint's weights (not its GBs of replay), as a run dir of their own: `rayzero eval --checkpoint
