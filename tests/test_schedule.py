@@ -90,13 +90,14 @@ def test_evaluation_every_interval_once_the_learner_has_stepped():
 
 
 def test_no_evaluation_starts_that_would_end_past_the_time_limit():
-    """A run ends within a minute of --time-limit: an evaluation expected to end after the limit (1.2 times the
-    longest so far) is not started (the final evaluation plays the final weights at the limit instead)."""
+    """A run ends within a minute of --time-limit: an evaluation expected to end after the limit is not started
+    (the final evaluation plays the final weights at the limit instead). One whose games' length is unknown (it
+    failed) is expected to take 1.1 times as long as the last."""
     rules = Rules(**{**RULES.__dict__, "eval_interval": 10.0, "time_limit": 100.0})
     schedule = Schedule(rules, start=0.0)
     stepped = Counters(learner_steps=5)
     assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=50.0))
-    schedule.evaluated(80.0)  # it took 30 s: the next one is expected to take 36
+    schedule.evaluated(80.0)  # it took 30 s: the next one is expected to take 33
     for now in (90.0, 95.0, 99.0):
         assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=now))
     endless = Schedule(Rules(**{**RULES.__dict__, "eval_interval": 10.0}), start=0.0)  # no time limit
@@ -106,28 +107,29 @@ def test_no_evaluation_starts_that_would_end_past_the_time_limit():
 
 
 def test_the_last_evaluation_within_the_time_limit_starts_as_late_as_it_can():
-    """With a limit of 540 s and evaluations of up to 60 s (72 s expected), the last one starts at 468 s, ahead of
-    the interval if need be; a regular one that would still be playing at 468 s waits for it instead."""
-    rules = Rules(**{**RULES.__dict__, "eval_interval": 60.0, "time_limit": 540.0})
+    """A 540 s limit, evaluations 60 s apart with games of at most 4,000 steps. The next evaluation is expected
+    to take 1.1 x the last one's seconds a step x 1.5 its longest game (at most 4,000 steps). The last one starts
+    at the limit less that, ahead of the interval if need be; a regular one that would still be playing then
+    waits for it."""
+    rules = Rules(**{**RULES.__dict__, "eval_interval": 60.0, "time_limit": 540.0, "eval_max_steps": 4000})
     schedule = Schedule(rules, start=0.0)
     stepped = Counters(learner_steps=5)
     assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=60.0))
-    schedule.evaluated(120.0)  # 60 s: the next are expected to take 72 s
+    schedule.evaluated(120.0, steps=1000)  # 60 ms a step: next 1.1 x 0.06 x 1,500 = 99 s, the last at 441
     assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=170.0))  # the interval
-    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=180.0))  # ends by ~252: before 468
-    schedule.evaluated(230.0)
-    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=290.0))
-    schedule.evaluated(340.0)
-    # Due at 400 it would play until ~472, past 468: it waits, and the last one starts at 468 (not at 460).
-    for now in (400.0, 430.0, 467.9):
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=180.0))  # ends by 279: before 441
+    schedule.evaluated(260.0, steps=2000)  # 40 ms a step: next 1.1 x 0.04 x 3,000 = 132 s, the last at 408
+    # Due at 320 it would play until 452, past 408: it waits, and the last one starts at 408.
+    for now in (320.0, 380.0, 407.9):
         assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=now))
-    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=468.0))
-    schedule.evaluated(520.0)
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=408.0))
+    schedule.evaluated(520.0, steps=4000)  # games at the cap: next 1.1 x 112 s, not 1.5 x
+    assert schedule.expected_eval == pytest.approx(1.1 * 112.0)
     assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=530.0))  # the limit is too near
     # A short evaluation that is due well before the last one's start still runs at its interval.
     early = Schedule(rules, start=0.0)
     assert (EVAL, 0) in roles(early.next_calls(stepped, set(), [], now=60.0))
-    early.evaluated(65.0)
+    early.evaluated(65.0, steps=500)
     assert (EVAL, 0) in roles(early.next_calls(stepped, set(), [], now=125.0))
 
 

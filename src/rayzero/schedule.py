@@ -11,10 +11,13 @@ cluster (tests/test_schedule.py):
     neither side starts out stalled;
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
   * evaluation every `run.eval_interval` seconds once the learner has stepped. With a time limit, the last
-    evaluation that can end within it starts as late as it can: at the limit less the longest evaluation so far
-    (with a margin), even before the interval is up; a regular one that would still be playing then, or any that
-    would end past the limit, is not started (the final evaluation follows at the limit). So a time-limited run's
-    last evaluation plays the freshest weights it can, where a fixed cadence could leave its last minutes unseen;
+    evaluation that can end within it starts as late as it can: at the limit less the next evaluation's expected
+    length, even before the interval is up; a regular one that would still be playing then, or any that would
+    end past the limit, is not started (the final evaluation follows at the limit). An evaluation lasts as long
+    as its longest game, and games lengthen as the agent improves: the next is expected to take the last one's
+    seconds a step, for up to EVAL_GROWTH times its longest game (at most run.eval_max_steps), plus a margin.
+    So a time-limited run's last evaluation plays the freshest weights it can, where a fixed cadence could leave
+    its last minutes unseen;
   * a role never has two calls in flight, except the learner, which has `learner.calls_in_flight` queued (its
     actor runs them in order), all counted in the ratio;
   * the run stops at the first limit reached (interrupt, time, env steps, learner steps).
@@ -28,9 +31,11 @@ from collections.abc import Callable, Collection
 from rayzero.config import Config
 
 COLLECT, LEARN, REANALYSE, EVAL = "collect", "learn", "reanalyse", "eval"
-EVAL_MARGIN = 1.2
-"""The next evaluation is expected to take up to this times the longest one so far (games lengthen as the
-agent improves)."""
+EVAL_GROWTH = 1.5
+"""The next evaluation's longest game is expected to be up to this times the last one's (Pong's grew from ~1,000
+to the 4,000-step cap between two evaluations of a 540 s run)."""
+EVAL_MARGIN = 1.1
+"""And its steps to take up to this times the last one's seconds a step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,8 @@ class Rules:
     num_shards: int = 1
     temperature_schedule: tuple[tuple[int, float], ...] = ()
     eval_interval: float = 30.0
+    eval_max_steps: int = 0
+    """Steps an evaluation's games play at most (0 = unknown)."""
     log_interval: float = 5.0
     checkpoint_interval: int = 1000
     time_limit: float = 0.0
@@ -101,6 +108,7 @@ class Rules:
             slack=learner.replay_ratio * max(replay.min_size, 2 * collect_env_steps * num_selfplay),
             reanalyse_fraction=config.reanalyse.fraction, num_reanalyse=num_reanalyse, num_shards=num_shards,
             temperature_schedule=run.temperature_schedule, eval_interval=run.eval_interval,
+            eval_max_steps=run.eval_max_steps,
             log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
             time_limit=run.time_limit, max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
             free_first_call=learner_compiles, warmup_transitions=learner.warmup_transitions,
@@ -128,7 +136,7 @@ class Schedule:
         now = start if now is None else now
         self.next_eval = now + rules.eval_interval
         self.eval_started = 0.0
-        self.longest_eval = 0.0  # seconds
+        self.expected_eval = 0.0  # seconds the next evaluation is expected to take
         self.next_log = now + rules.log_interval
         interval = rules.checkpoint_interval
         self.next_checkpoint = (learner_steps // interval + 1) * interval
@@ -183,7 +191,7 @@ class Schedule:
         if not self.rules.time_limit:
             return now >= self.next_eval
         end = self.start + self.rules.time_limit
-        expected = EVAL_MARGIN * self.longest_eval
+        expected = self.expected_eval
         if now + expected > end:
             return False  # it would not end in time
         last_start = end - expected
@@ -201,9 +209,17 @@ class Schedule:
 
     # -- cadences ----------------------------------------------------------------------------------------
 
-    def evaluated(self, now: float) -> None:
-        """An evaluation ended: the next one is due an interval later."""
-        self.longest_eval = max(self.longest_eval, now - self.eval_started)
+    def evaluated(self, now: float, steps: int = 0) -> None:
+        """An evaluation ended (`steps`: its longest game's, 0 if unknown): the next one is due an interval
+        later, and expected to take as long as the module docstring says."""
+        seconds = max(0.0, now - self.eval_started)
+        if steps > 0:
+            longest = EVAL_GROWTH * steps
+            if self.rules.eval_max_steps:
+                longest = min(longest, self.rules.eval_max_steps)
+            self.expected_eval = EVAL_MARGIN * seconds / steps * max(longest, steps)
+        else:  # an evaluation that failed: as long as the longest expected so far
+            self.expected_eval = max(self.expected_eval, EVAL_MARGIN * seconds)
         self.next_eval = now + self.rules.eval_interval
 
     def log_due(self, now: float) -> bool:

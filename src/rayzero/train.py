@@ -424,7 +424,7 @@ class Driver:
                 return
             self.failures.pop(("evaluation", call.index), None)
             self._record_eval(result, metrics)
-            self.schedule.evaluated(time.perf_counter())
+            self.schedule.evaluated(time.perf_counter(), int(result.get("steps", 0)))
             if self.config.run.stop_return and result["mean"] >= self.config.run.stop_return:
                 self.stop_reason = "stop_return"
                 self.solved_weights = self.eval_weights
