@@ -838,3 +838,41 @@ def test_a_batch_that_needs_more_slots_than_are_free_reclaims_as_one_request_at_
     (slots_a, error_b), free, reclaimed = answers[0]
     assert sorted(slots_a) == [0, 5] and "unknown latent handles for client 'b' (reclaimed" in error_b
     assert free == 0 and reclaimed == 1
+
+
+def test_a_trunk_held_in_bf16_gives_the_same_bits_under_bf16_autocast():
+    """The inference actor keeps its trunk's conv weights in bf16 (no weight cast per conv per simulation in the
+    captured searches); under bf16 autocast, with its cast cache off as there, every output is the same bit for bit
+    as the float32 model's, and weights copied in afterwards (a weight swap) are cast on the way."""
+    import copy
+
+    from rayzero.config import ModelConfig
+    from rayzero.models import build_model
+    from rayzero.models.networks import hold_trunk_in_bf16
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind="resnet", channels=16, support_size=10, downsample=8), (4, 32, 32), 3).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.heads_fp32 = True
+    held = copy.deepcopy(model)
+    assert hold_trunk_in_bf16(held) == 15  # 2 in the downsampling, 2 per residual block (5 of them), the dynamics' 1
+    assert held.value_conv.weight.dtype == torch.float32 and held.down[1].weight.dtype == torch.float32  # head, BN
+    obs = torch.randint(0, 255, (6, 4, 32, 32), dtype=torch.uint8)
+    action = torch.tensor([0, 1, 2, 0, 1, 2])
+
+    def outputs(net):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            root = net.initial(obs)
+            step = net.recurrent(root.latent, action)
+        return [*root, *step]
+
+    for a, b in zip(outputs(model), outputs(held)):
+        assert torch.equal(a, b)
+    params = dict(model.named_parameters())
+    swapped = {k: v.clone().normal_(0, 0.2) if k in params else v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(swapped)
+    for name, tensor in held.state_dict().items():
+        tensor.copy_(swapped[name])  # as the runner's apply_weights does
+    for a, b in zip(outputs(model), outputs(held)):
+        assert torch.equal(a, b)

@@ -21,7 +21,7 @@ import torch
 from rayzero.config import InferenceConfig
 from rayzero.inference.errors import InferenceError
 from rayzero.logs import logger
-from rayzero.models.networks import MuZeroNet
+from rayzero.models.networks import MuZeroNet, hold_trunk_in_bf16
 from rayzero.tree import RecurrentOutput, RootOutput, SearchConfig, SearchNoise, sample_noise, search
 from rayzero.tree.noise import row_defaults
 
@@ -125,6 +125,8 @@ class Runner:
         self.cuda = is_cuda(self.device)
         self.bf16 = cfg.bf16 and self.cuda
         model.heads_fp32 = cfg.fp32_heads
+        if self.bf16:
+            hold_trunk_in_bf16(model)  # no weight casts inside the captured searches
         if self.cuda and cfg.channels_last:
             model.to(memory_format=torch.channels_last)
         self.use_graphs = cfg.cuda_graphs and self.cuda

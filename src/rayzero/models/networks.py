@@ -78,6 +78,11 @@ class MuZeroNet(nn.Module):
         """[B, F] what the value-prefix LSTM reads from a state."""
         raise NotImplementedError
 
+    def trunk(self) -> list[nn.Module]:
+        """The modules that always run under the caller's autocast (not the heads, which heads_fp32 keeps in
+        float32): `hold_trunk_in_bf16` may keep their convolutions' weights in bf16."""
+        return []
+
     # -- value prefix ------------------------------------------------------------------------------------
 
     def _init_value_prefix(self, cfg: ModelConfig, features: int) -> None:
@@ -285,6 +290,9 @@ class ResNet(MuZeroNet):
             nn.init.zeros_(head[-1].weight)
             nn.init.zeros_(head[-1].bias)
 
+    def trunk(self) -> list[nn.Module]:
+        return [self.down, self.repr_blocks, self.dyn_conv, self.dyn_blocks, self.pred_blocks]
+
     def represent(self, obs: torch.Tensor) -> torch.Tensor:
         x = obs.float() / 255.0
         return self._norm(self.repr_blocks(self.down(x)))
@@ -315,3 +323,15 @@ class ResNet(MuZeroNet):
     def predict(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.pred_blocks(latent)
         return self._head(self._policy_head, x), self._head(self._value_head, x)
+
+
+def hold_trunk_in_bf16(model: MuZeroNet) -> int:
+    """Keep the weights of the trunk's convolutions in bf16, for an inference copy run under bf16 autocast with
+    its cast cache off (as in CUDA graphs): autocast would otherwise cast each weight at every call, one kernel per
+    convolution per simulation of a captured search. The results are the same bit for bit (that cast is all
+    autocast does to them); BatchNorm and the heads stay float32, and weights copied in are cast on the way.
+    Returns how many convolutions it converted."""
+    convs = [m for module in model.trunk() for m in module.modules() if isinstance(m, nn.Conv2d)]
+    for conv in convs:
+        conv.to(torch.bfloat16)
+    return len(convs)
