@@ -109,6 +109,34 @@ def test_served_graphs_match_direct_calls(bf16):
     assert sum(m["graph"] for m in buckets.values()) == 3 and srv.stats()["errors"] == 0  # + 3 eager (200 rows)
 
 
+def test_the_trunk_held_in_bf16_computes_what_autocast_did_with_float32_weights():
+    """The runner keeps its trunk's conv weights in bf16 (models.networks.hold_trunk_in_bf16): a float32 copy of
+    the same weights under the same bf16 autocast gives the same outputs bit for bit, and the served graphs agree
+    with both."""
+    srv = _server(bf16=True, search_max_batch=0)
+    assert srv.model.dyn_conv[0].weight.dtype == torch.bfloat16
+    assert srv.model.value_conv.weight.dtype == torch.float32 and srv.model.dyn_conv[1].weight.dtype == torch.float32
+    fp32 = build_model(SMALL, OBS, A).cuda().eval()
+    fp32.load_state_dict(srv.model.state_dict())  # bf16 to float32 is exact
+    fp32.heads_fp32 = True
+    if srv.cfg.channels_last:
+        fp32.to(memory_format=torch.channels_last)  # as the runner lays out its own
+    obs, act = _obs(30, seed=3), np.random.default_rng(3).integers(0, A, size=30)
+    roots, steps, _ = _serve(srv, [obs], [act])
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        outputs = []
+        for net in (srv.model, fp32):
+            root = net.initial(torch.from_numpy(obs).cuda())
+            step = net.recurrent(root.latent, torch.from_numpy(act).cuda())
+            outputs.append([*root, *step])
+    for held, float32 in zip(*outputs):
+        assert torch.equal(held, float32)
+    held_root, held_step = outputs[0][:6], outputs[0][6:]
+    tol = {"rtol": 5e-2, "atol": 5e-2}  # the served bucket (32 rows) may pick other bf16 kernels than 30 rows
+    np.testing.assert_allclose(roots[0]["value"], held_root[1].float().cpu().numpy(), **tol)
+    np.testing.assert_allclose(steps[0]["reward"], held_step[2].float().cpu().numpy(), **tol)
+
+
 def test_fp32_heads_tolerance_on_the_atari_net():
     """EfficientZero-sized net, bf16 autocast on CUDA, random heads: the fp32-head variant's mean error vs fp32
     is within 5% of the mean |value| and 8% of the mean |reward|, policy probabilities within 2e-3. (On this
