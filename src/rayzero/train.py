@@ -122,7 +122,7 @@ def check_resumable(run_dir: Path) -> tuple[Path, dict]:
     checkpoint = ckpt.latest(run_dir)
     state = ckpt.read_state(checkpoint)
     try:
-        with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        with safe_open(str(checkpoint / ckpt.MODEL), "pt") as f:
             list(f.keys())
     except Exception as error:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
         raise ckpt.CheckpointError(f"checkpoint {str(checkpoint)!r} is corrupt: model.safetensors: {error}") from None
@@ -146,7 +146,7 @@ class Driver:
         self.replay_at_start = {"size": 0, "total_added": 0}
         self.wall_before = 0.0
         self.started = started  # the clock's origin if given (`rayzero train`'s start), else the roles' build
-        self.start = time.perf_counter() if started is None else started
+        self.start = time.perf_counter() if started is None else started  # (until run() builds them)
         self.last_eval: dict[str, Any] | None = None
         self.best_eval = -math.inf
         self.train_returns: list[float] = []
@@ -231,7 +231,8 @@ class Driver:
                         "waits for a node with room (on one machine it never starts). Lower cluster.selfplay_cpus "
                         "or another role's CPUs, or give Ray more with cluster.num_cpus", missing,
                         resources.get("CPU", 0.0))
-        self.start = time.perf_counter() if self.started is None else self.started
+        if self.started is None:
+            self.start = time.perf_counter()
         handles = self.handles = cluster.build(config, self.spec, plan, run_dir=str(run_dir))
         if checkpoint is not None:
             ray.get([handles.learner.load.remote(str(checkpoint)), *handles.replay.restore(checkpoint)])

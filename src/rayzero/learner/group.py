@@ -184,7 +184,7 @@ class LearnerGroup:
                 return str(ckpt.latest(root))
             except ckpt.CheckpointError:
                 continue
-        if self.last_checkpoint and (Path(self.last_checkpoint) / "model.safetensors").exists():
+        if self.last_checkpoint and (Path(self.last_checkpoint) / ckpt.MODEL).exists():
             return self.last_checkpoint
         return None
 

@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from rayzero.config import LearnerConfig, ModelConfig
 from rayzero.devices import resolve_device
 from rayzero.learner import background
-from rayzero.learner.checkpoint import CheckpointError
+from rayzero.learner.checkpoint import MODEL, CheckpointError
 from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
 from rayzero.learner.step_graph import StepGraph
@@ -786,7 +786,7 @@ class Learner:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
-        save_file(state, str(path / "model.safetensors"))
+        save_file(state, str(path / MODEL))
         extra = {f"{prefix}.{k}": v.detach().cpu().contiguous()
                  for prefix, module in self._extra_modules().items() for k, v in module.state_dict().items()}
         if extra:
@@ -799,7 +799,7 @@ class Learner:
     def load(self, directory: str) -> None:
         path = Path(directory)
         try:
-            state = load_file(str(path / "model.safetensors"), device=str(self.device))
+            state = load_file(str(path / MODEL), device=str(self.device))
             extra_path = path / EXTRA_FILE
             extra = load_file(str(extra_path), device=str(self.device)) if extra_path.exists() else {}
             other = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
@@ -906,7 +906,7 @@ def _compile_phases() -> str:
 
 def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | Path) -> None:
     """Load only the network weights of a checkpoint into `model` (for eval and inference)."""
-    path = Path(checkpoint_dir) / "model.safetensors"
+    path = Path(checkpoint_dir) / MODEL
     try:
         state = load_file(str(path))
         model.load_state_dict(state)
