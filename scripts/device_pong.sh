@@ -5,7 +5,7 @@
 #   source .device/install.sh && bash scripts/device_pong.sh NAME TIME_LIMIT [--env ALE/Breakout-v5] [section.field=value ...]
 #
 # Everything lands in $OUT: train.out/.log, metrics.jsonl, summary.json, learning_curve.png, plan.json, dmon.txt,
-# run/ (the newest checkpoint's weights and config), probe.json (PROBE_DEVICE=cpu for a try on a CPU), agent.gif (GIF=1). A run of TIME_LIMIT s takes about TIME_LIMIT + 60 s, the probe up to 90 s more.
+# weights/ (the newest checkpoint's weights and config), probe.json (PROBE_DEVICE=cpu for a try on a CPU), agent.gif (GIF=1). A run of TIME_LIMIT s takes about TIME_LIMIT + 60 s, the probe up to 90 s more.
 # A bar run (TIME_LIMIT 540) barely fits a 600 s call with its final evaluation (at most run.final_eval_seconds,
 # 40 s in the preset, plus ~10 s of checkpoint, after the limit; ~15 s of install before): TRAIN_TIMEOUT=584
 # PROBE=0 ends it in time (SIGTERM starts rayzero's clean end, final evaluation included; -k 10 kills what is left
@@ -26,14 +26,14 @@ trap 'kill $watchers 2>/dev/null' EXIT
 timeout -k 10 "${TRAIN_TIMEOUT:-$((limit + 90))}" python3 -m rayzero train --config "${CONFIG:-atari}" --out "/tmp/$name" --time-limit "$limit" "$@" \
     > "$out/train.out" 2> "$out/train.log"
 for f in metrics.jsonl summary.json learning_curve.png plan.json; do cp "/tmp/$name/$f" "$out/" 2>/dev/null; done
-# The newest checkpoint's weights (not its GBs of replay), as a run dir of their own: `rayzero eval --checkpoint
-# $out/run --gif agent.gif` plays them on any machine (a run cut by TRAIN_TIMEOUT has the last periodic one).
+# The newest checkpoint's weights (not its GBs of replay), flat in $out/weights/ (the device tool brings back no
+# deeper folders); `bash scripts/weights_to_run.sh $out/weights DIR` makes a run dir of them again, which
+# `rayzero eval --checkpoint DIR --gif agent.gif` plays on any machine.
 if [ -e "/tmp/$name/checkpoints/latest" ]; then
     step=$(cat "/tmp/$name/checkpoints/latest")
-    mkdir -p "$out/run/checkpoints/$step"
-    cp "/tmp/$name/config.yaml" "$out/run/"
-    cp "/tmp/$name/checkpoints/latest" "$out/run/checkpoints/"
-    for f in model.safetensors state.json checksums.json; do cp "/tmp/$name/checkpoints/$step/$f" "$out/run/checkpoints/$step/"; done
+    mkdir -p "$out/weights"
+    cp "/tmp/$name/config.yaml" "/tmp/$name/checkpoints/latest" "$out/weights/"
+    for f in model.safetensors state.json checksums.json; do cp "/tmp/$name/checkpoints/$step/$f" "$out/weights/"; done
 fi
 python3 scripts/lab_row.py "/tmp/$name" --dmon "$out/dmon.txt" --at "60,120,180,300,$limit"
 [ "${PROBE:-1}" = 1 ] && timeout 90 python3 scripts/search_probe.py --checkpoint "/tmp/$name" --device "${PROBE_DEVICE:-cuda}" --envs 16 --steps 200 --every 20 \

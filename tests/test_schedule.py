@@ -3,7 +3,9 @@
 import pytest
 
 from rayzero import config as config_lib
-from rayzero.schedule import COLLECT, EVAL, LEARN, REANALYSE, Counters, Rules, Schedule, temperature_at
+from rayzero.config import RunConfig
+from rayzero.schedule import (COLLECT, EVAL, LEARN, REANALYSE, Counters, Rules, Schedule, final_reserve,
+                              temperature_at)
 
 RULES = Rules(replay_ratio=2.0, min_size=100, samples_per_step=10, steps_per_call=5, slack=50.0,
               eval_interval=30.0, log_interval=5.0, checkpoint_interval=100)
@@ -119,10 +121,12 @@ def test_the_last_evaluation_within_the_time_limit_starts_as_late_as_it_can():
     assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=170.0))  # the interval
     assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=180.0))  # ends by 279: before 441
     schedule.evaluated(260.0, steps=2000)  # 40 ms a step: next 1.1 x 0.04 x 3,000 = 132 s, the last at 408
-    # Due at 320 it would play until 452, past 408: it waits, and the last one starts at 408.
-    for now in (320.0, 380.0, 407.9):
+    # Due at 320 it would play until 452, past 408: it waits, and the last one starts at 408 (from 407: the
+    # loop's longest wait), or up to the estimate's margin later (408 + 132 - 120 = 420) when the loop is late.
+    for now in (320.0, 380.0, 406.9, 420.5, 450.0):
         assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=now))
-    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=408.0))
+    for now in (410.0, 420.0, 407.0, 408.0):
+        assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=now))
     schedule.evaluated(520.0, steps=4000)  # games at the cap: next 1.1 x 112 s, not 1.5 x
     assert schedule.expected_eval == pytest.approx(1.1 * 112.0)
     assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=530.0))  # the limit is too near
@@ -131,6 +135,46 @@ def test_the_last_evaluation_within_the_time_limit_starts_as_late_as_it_can():
     assert (EVAL, 0) in roles(early.next_calls(stepped, set(), [], now=60.0))
     early.evaluated(65.0, steps=500)
     assert (EVAL, 0) in roles(early.next_calls(stepped, set(), [], now=125.0))
+
+
+def test_a_driver_that_wakes_when_told_starts_the_last_evaluation_in_time():
+    """The driver's loop: it waits as wait_timeout says, then is busy with a result for up to 3 s. The last
+    evaluation before a 540 s limit (a 358 s one took 72 s for 1,996 steps: the next is expected to take 120 s)
+    still starts by its latest start (420 s) plus the estimate's margin, and not a second before it is due."""
+    rules = Rules(**{**RULES.__dict__, "eval_interval": 30.0, "time_limit": 540.0, "eval_max_steps": 4000,
+                     "log_interval": 5.0})
+    stepped = Counters(learner_steps=5)
+    for busy in (0.0, 0.7, 3.0):
+        schedule = Schedule(rules, start=0.0, now=23.0)
+        schedule.eval_started = 286.0
+        schedule.evaluated(358.0, steps=1996)
+        last_start = 540.0 - schedule.expected_eval
+        now, started = 358.0, None
+        while now < 540.0 and started is None:
+            if (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now)):
+                started = now
+            now += schedule.wait_timeout(now) + busy
+        assert started is not None, busy
+        assert last_start - 1.0 <= started <= last_start + schedule.expected_eval * (1 - 1 / 1.1), (busy, started)
+
+
+def test_training_stops_before_the_time_limit_for_the_final_evaluation():
+    """run.final_eval_seconds (at most a quarter of the limit) is left to the final evaluation: training stops
+    that long before the limit, and no evaluation during training is started that would end after that."""
+    assert final_reserve(RunConfig(time_limit=540.0, final_eval_seconds=40.0)) == 40.0
+    assert final_reserve(RunConfig(time_limit=60.0, final_eval_seconds=40.0)) == 15.0
+    assert final_reserve(RunConfig(time_limit=0.0, final_eval_seconds=40.0)) == 0.0  # no limit: after the end
+    rules = Rules(**{**RULES.__dict__, "time_limit": 540.0, "final_reserve": 40.0, "eval_interval": 30.0,
+                     "log_interval": 1e6})
+    schedule = Schedule(rules, start=100.0)
+    assert schedule.stop_reason(Counters(), now=599.9) == ""
+    assert schedule.stop_reason(Counters(), now=600.0) == "time_limit"
+    assert schedule.wait_timeout(now=599.5) == pytest.approx(0.5)
+    stepped = Counters(learner_steps=5)
+    schedule.eval_started = 400.0
+    schedule.evaluated(460.0, steps=1000)  # the next expected to take 1.1 x 90 s = 99 s: the last at 501
+    assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=495.0))
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=501.0))
 
 
 def test_ends_at_the_time_limit():

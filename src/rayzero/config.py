@@ -563,9 +563,11 @@ class RunConfig:
     eval_max_steps: int = 27_000
     """Step cap of an evaluation episode."""
     final_eval_seconds: float = 0.0
-    """Wall-clock budget of the final evaluation (0 = none), so that a run ends soon after time_limit however
-    long its agent's games have grown: episodes still playing when it runs out count with their return so far,
-    as at eval_max_steps, and the summary says how many (`eval_unfinished`)."""
+    """Wall-clock budget of the final evaluation (0 = none), so that a run ends by its time_limit however long its
+    agent's games have grown: with a time limit, training stops this long before it (at most a quarter of it),
+    and the final evaluation plays the final weights alone on the GPU until the limit. Episodes still playing
+    when it runs out count with their return so far, as at eval_max_steps, and the summary says how many
+    (`eval_unfinished`)."""
     stop_return: float = 0.0
     """Stop early once an evaluation's mean return reaches this (0 = never)."""
     # (learner step, temperature) pairs, typed loosely for OmegaConf: 2.3 cannot type a tuple of pairs (and

@@ -10,14 +10,15 @@ cluster (tests/test_schedule.py):
     (or until replay holds `learner.warmup_transitions`), and the ratio then counts from that point, so
     neither side starts out stalled;
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
-  * evaluation every `run.eval_interval` seconds once the learner has stepped. With a time limit, the last
-    evaluation that can end within it starts as late as it can: at the limit less the next evaluation's expected
-    length, even before the interval is up; a regular one that would still be playing then, or any that would
-    end past the limit, is not started (the final evaluation follows at the limit). An evaluation lasts as long
-    as its longest game, and games lengthen as the agent improves: the next is expected to take the last one's
-    seconds a step, for up to EVAL_GROWTH times its longest game (at most run.eval_max_steps), plus a margin.
-    So a time-limited run's last evaluation plays the freshest weights it can, where a fixed cadence could leave
-    its last minutes unseen;
+  * evaluation every `run.eval_interval` seconds once the learner has stepped;
+  * with a time limit, training stops `run.final_eval_seconds` before it (at most a quarter of it): the final
+    evaluation then plays the final weights alone on the GPU and ends by the limit. The last evaluation during
+    training starts as late as it can and still end when training does: at that end less its expected length,
+    even before the interval is up; a regular one that would still be playing then, or any that would end later,
+    is not started. An evaluation lasts as long as its longest game, and games lengthen as the agent improves:
+    the next is expected to take the last one's seconds a step, for up to EVAL_GROWTH times its longest game (at
+    most run.eval_max_steps), plus a margin. So both play the freshest weights they can, where a fixed cadence
+    could leave a run's last minutes unseen;
   * a role never has two calls in flight, except the learner, which has `learner.calls_in_flight` queued (its
     actor runs them in order), all counted in the ratio;
   * the run stops at the first limit reached (interrupt, time, env steps, learner steps).
@@ -28,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
-from rayzero.config import Config
+from rayzero.config import Config, RunConfig
 
 COLLECT, LEARN, REANALYSE, EVAL = "collect", "learn", "reanalyse", "eval"
 EVAL_GROWTH = 1.5
@@ -36,6 +37,8 @@ EVAL_GROWTH = 1.5
 to the 4,000-step cap between two evaluations of a 540 s run)."""
 EVAL_MARGIN = 1.1
 """And its steps to take up to this times the last one's seconds a step."""
+LAST_EVAL_LEAD = 1.0
+"""Seconds ahead of its latest start that the last evaluation may start: the loop's longest wait (wait_timeout)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,8 @@ class Rules:
     log_interval: float = 5.0
     checkpoint_interval: int = 1000
     time_limit: float = 0.0
+    final_reserve: float = 0.0
+    """Seconds before time_limit at which training stops, so that the final evaluation ends by the limit."""
     max_env_steps: int = 0
     max_learner_steps: int = 0
     free_first_call: bool = False
@@ -110,10 +115,18 @@ class Rules:
             temperature_schedule=run.temperature_schedule, eval_interval=run.eval_interval,
             eval_max_steps=run.eval_max_steps,
             log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
-            time_limit=run.time_limit, max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
+            time_limit=run.time_limit, final_reserve=final_reserve(run), max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
             free_first_call=learner_compiles, warmup_transitions=learner.warmup_transitions,
             learn_calls=learner.calls_in_flight,
         )
+
+
+def final_reserve(run: RunConfig) -> float:
+    """Seconds of a time-limited run left to its final evaluation (run.final_eval_seconds, at most a quarter of the
+    limit): training stops that long before the limit, and the final evaluation plays in it alone on the GPU."""
+    if not run.time_limit:
+        return 0.0
+    return min(run.final_eval_seconds, run.time_limit / 4)
 
 
 def temperature_at(schedule: tuple[tuple[int, float], ...], learner_steps: int) -> float:
@@ -133,6 +146,7 @@ class Schedule:
         evaluation and log cadences count from it; default `start`)."""
         self.rules = rules
         self.start = start
+        self.train_end = start + rules.time_limit - rules.final_reserve  # (with a time limit) the loop's end
         now = start if now is None else now
         self.next_eval = now + rules.eval_interval
         self.eval_started = 0.0
@@ -190,13 +204,16 @@ class Schedule:
         """Whether an evaluation starts now (none in flight, the learner has stepped): see the module docstring."""
         if not self.rules.time_limit:
             return now >= self.next_eval
-        end = self.start + self.rules.time_limit
+        end = self.train_end
         expected = self.expected_eval
+        last_start = end - expected
+        if expected > 0 and now >= last_start - LAST_EVAL_LEAD:
+            # The last one that ends within the limit, as late as it can start. The loop wakes when it is due
+            # (wait_timeout), but a result it is busy with can make it late: then it may still start within the
+            # estimate's margin, which leaves it ending in time if its steps take no longer than the last one's.
+            return now <= last_start + (1.0 - 1.0 / EVAL_MARGIN) * expected
         if now + expected > end:
             return False  # it would not end in time
-        last_start = end - expected
-        if now >= last_start:
-            return True  # the last one that ends within the limit, as late as it can start
         return now >= self.next_eval and now + expected <= last_start  # done before the last one is due
 
     def learned(self, counters: Counters) -> None:
@@ -241,7 +258,7 @@ class Schedule:
         rules = self.rules
         if interrupted:
             return "interrupted"
-        if rules.time_limit and now - self.start >= rules.time_limit:
+        if rules.time_limit and now >= self.train_end:
             return "time_limit"
         if rules.max_env_steps and counters.env_steps >= rules.max_env_steps:
             return "max_env_steps"
@@ -250,9 +267,10 @@ class Schedule:
         return ""
 
     def wait_timeout(self, now: float) -> float:
-        """How long the driver may wait for a result: until the next log line or evaluation, the time limit,
+        """How long the driver may wait for a result: until the next log line or evaluation, training's end,
         and at most a second, so a Ctrl-C (a flag the loop reads) is noticed promptly."""
-        until = min(self.next_log, self.next_eval, now + 1.0)
+        times = [self.next_log, self.next_eval]  # an evaluation past its interval but held back: not a busy wait
         if self.rules.time_limit:
-            until = min(until, self.start + self.rules.time_limit)
+            times += [self.train_end, self.train_end - self.expected_eval - LAST_EVAL_LEAD]  # the last one's start
+        until = min([now + 1.0] + [t for t in times if t > now])
         return max(0.01, until - now)
