@@ -101,6 +101,25 @@ def test_atari_smoke_train_then_eval(tmp_path):
     assert 0.0 <= report["summary"]["spread_share"] <= 1.0
 
 
+def test_a_time_limited_run_ends_by_its_limit_with_its_final_evaluation(tmp_path):
+    """--time-limit counts the final evaluation in: training stops early enough for it (its length estimated
+    from an evaluation step timed alone at the start, at most run.final_eval_seconds), and it plays the final
+    weights, with nothing else running, until the limit (half its budget later at worst)."""
+    limit, budget = 35, 10
+    result = rayzero("train", "--config", "cartpole", "--out", str(tmp_path), "--time-limit", str(limit),
+                     f"run.final_eval_seconds={budget}", "run.eval_interval=5", "run.stop_return=0")
+    log = result.stdout + result.stderr
+    assert "an evaluation step alone:" in log and "training stops" in log, log[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stop_reason"] == "time_limit"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    final = [row for row in rows if "eval_return_mean" in row][-1]
+    assert final["learner_steps"] == summary["learner_steps"]  # no update after training stopped
+    assert final["version"] == summary["weights_version"]  # it played the final weights
+    assert final["wall_seconds"] <= limit + budget / 2, final
+    assert final["wall_seconds"] - final["eval_seconds"] >= limit - budget - 1, final  # it started at the reserve
+
+
 def test_sigterm_ends_the_run_cleanly(tmp_path):
     """`ray job stop` and Kubernetes send SIGTERM: in-flight work finishes, then a checkpoint and summary.json."""
     import signal

@@ -564,10 +564,13 @@ class RunConfig:
     """Step cap of an evaluation episode."""
     final_eval_seconds: float = 0.0
     """Wall-clock budget of the final evaluation (0 = none), so that a run ends by its time_limit however long its
-    agent's games have grown: with a time limit, training stops this long before it (at most a quarter of it),
-    and the final evaluation plays the final weights alone on the GPU until the limit. Episodes still playing
-    when it runs out count with their return so far, as at eval_max_steps, and the summary says how many
-    (`eval_unfinished`)."""
+    agent's games have grown: with a time limit, training stops up to this long before it (at most a quarter of
+    it; less when the last evaluation's games say the final one needs less, schedule.py), and the final
+    evaluation plays the final weights alone on the GPU until the limit. Episodes still playing when it runs out
+    count with their return so far, as at eval_max_steps, and the summary says how many (`eval_unfinished`)."""
+    final_eval_max_steps: int = 0
+    """Step cap of the final evaluation's episodes (0 = eval_max_steps). Playing alone on the GPU, it can afford
+    longer games than the evaluations beside the learner."""
     stop_return: float = 0.0
     """Stop early once an evaluation's mean return reaches this (0 = never)."""
     # (learner step, temperature) pairs, typed loosely for OmegaConf: 2.3 cannot type a tuple of pairs (and
@@ -598,6 +601,7 @@ class RunConfig:
             ("eval_interval", self.eval_interval > 0, "> 0"),
             ("eval_episodes", self.eval_episodes >= 1, ">= 1"),
             ("eval_max_steps", self.eval_max_steps >= 1, ">= 1"),
+            ("final_eval_max_steps", self.final_eval_max_steps >= 0, ">= 0 (0 = eval_max_steps)"),
             ("final_eval_seconds", self.final_eval_seconds >= 0, ">= 0 (0 = no budget)"),
             ("log_interval", self.log_interval > 0, "> 0"),
             ("selfplay_steps_per_call", self.selfplay_steps_per_call >= 1, ">= 1"),

@@ -11,8 +11,9 @@ cluster (tests/test_schedule.py):
     neither side starts out stalled;
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
   * evaluation every `run.eval_interval` seconds once the learner has stepped;
-  * with a time limit, training stops `run.final_eval_seconds` before it (at most a quarter of it): the final
-    evaluation then plays the final weights alone on the GPU and ends by the limit. The last evaluation during
+  * with a time limit, training stops before it for the final evaluation, which then plays the final weights
+    alone on the GPU and ends by the limit: its expected length (below) at the seconds a step measured alone at
+    the start, at most `run.final_eval_seconds` (and a quarter of the limit). The last evaluation during
     training starts as late as it can and still end when training does: at that end less its expected length,
     even before the interval is up; a regular one that would still be playing then, or any that would end later,
     is not started. An evaluation lasts as long as its longest game, and games lengthen as the agent improves:
@@ -92,7 +93,10 @@ class Rules:
     checkpoint_interval: int = 1000
     time_limit: float = 0.0
     final_reserve: float = 0.0
-    """Seconds before time_limit at which training stops, so that the final evaluation ends by the limit."""
+    """The most seconds before time_limit at which training stops, so that the final evaluation ends by the
+    limit (Schedule.reserve: fewer once its length can be estimated)."""
+    final_max_steps: int = 0
+    """Steps the final evaluation's games play at most (0 = unknown)."""
     max_env_steps: int = 0
     max_learner_steps: int = 0
     free_first_call: bool = False
@@ -115,15 +119,17 @@ class Rules:
             temperature_schedule=run.temperature_schedule, eval_interval=run.eval_interval,
             eval_max_steps=run.eval_max_steps,
             log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
-            time_limit=run.time_limit, final_reserve=final_reserve(run), max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
+            time_limit=run.time_limit, final_reserve=final_reserve(run),
+            final_max_steps=run.final_eval_max_steps or run.eval_max_steps,
+            max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
             free_first_call=learner_compiles, warmup_transitions=learner.warmup_transitions,
             learn_calls=learner.calls_in_flight,
         )
 
 
 def final_reserve(run: RunConfig) -> float:
-    """Seconds of a time-limited run left to its final evaluation (run.final_eval_seconds, at most a quarter of the
-    limit): training stops that long before the limit, and the final evaluation plays in it alone on the GPU."""
+    """The most seconds of a time-limited run left to its final evaluation (run.final_eval_seconds, at most a
+    quarter of the limit)."""
     if not run.time_limit:
         return 0.0
     return min(run.final_eval_seconds, run.time_limit / 4)
@@ -146,7 +152,8 @@ class Schedule:
         evaluation and log cadences count from it; default `start`)."""
         self.rules = rules
         self.start = start
-        self.train_end = start + rules.time_limit - rules.final_reserve  # (with a time limit) the loop's end
+        self.alone_step_seconds = 0.0  # an evaluation step's seconds with nothing else on the GPU (0 = unknown)
+        self.longest_eval = 0  # the last evaluation's longest game, in steps
         now = start if now is None else now
         self.next_eval = now + rules.eval_interval
         self.eval_started = 0.0
@@ -230,6 +237,7 @@ class Schedule:
         """An evaluation ended (`steps`: its longest game's, 0 if unknown): the next one is due an interval
         later, and expected to take as long as the module docstring says."""
         seconds = max(0.0, now - self.eval_started)
+        self.longest_eval = steps or self.longest_eval
         if steps > 0:
             longest = EVAL_GROWTH * steps
             if self.rules.eval_max_steps:
@@ -238,6 +246,24 @@ class Schedule:
         else:  # an evaluation that failed: as long as the longest expected so far
             self.expected_eval = max(self.expected_eval, EVAL_MARGIN * seconds)
         self.next_eval = now + self.rules.eval_interval
+
+    @property
+    def reserve(self) -> float:
+        """Seconds before the time limit that training stops for the final evaluation: its expected length, as
+        for the evaluations during training but at `alone_step_seconds` (nothing else runs then) and up to
+        rules.final_max_steps, at most rules.final_reserve (all of it while the length cannot be estimated)."""
+        rules = self.rules
+        if not self.alone_step_seconds or not self.longest_eval:
+            return rules.final_reserve
+        longest = EVAL_GROWTH * self.longest_eval
+        if rules.final_max_steps:
+            longest = min(longest, rules.final_max_steps)
+        return min(rules.final_reserve, EVAL_MARGIN * self.alone_step_seconds * longest)
+
+    @property
+    def train_end(self) -> float:
+        """When training stops (with a time limit): the limit less `reserve`."""
+        return self.start + self.rules.time_limit - self.reserve
 
     def log_due(self, now: float) -> bool:
         """Whether a progress line is due (then the next one is an interval later)."""

@@ -41,6 +41,9 @@ __all__ = ["Driver", "check_fresh", "check_resumable", "train"]
 log = logger(__name__)
 MAX_RESTARTS_IN_A_ROW = 5
 """Failures in a row of an evaluation or reanalyse actor (each restarted by Ray) before the run stops."""
+ALONE_PROBE_STEPS, ALONE_PROBE_SECONDS = 20, 5.0
+"""Evaluation steps timed at the start, alone on the GPU (Driver._alone_step_seconds), and the most seconds
+they may take (a CPU network's search is slow)."""
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
 """What a run dir holds once a run has started in it."""
 
@@ -297,10 +300,15 @@ class Driver:
         self.actors = dict(enumerate(handles.selfplay))
         self.next_index = len(self.actors)
         self._publish(handles, wait=True)
+        if rules.time_limit and rules.final_reserve:
+            schedule.alone_step_seconds = self._alone_step_seconds(handles)
         while True:
             self.stop_reason = self.stop_reason or self.stop_requested or schedule.stop_reason(
                 self.counters, time.perf_counter(), self.interrupt_requested)
             if self.stop_reason:
+                if self.stop_reason == "time_limit" and schedule.reserve:
+                    log.info("training stops %.0f s before the time limit, for the final evaluation",
+                             schedule.reserve)
                 break
             in_flight = {call.key for call in self.pending.values()}
             for call in schedule.next_calls(self.counters, in_flight, self.actors, time.perf_counter(),
@@ -326,6 +334,25 @@ class Driver:
             # The learner ran on while the deciding evaluation played; keep the weights that met the bar,
             # so the checkpoint and the summary describe the same agent.
             ray.get(handles.learner.set_weights.remote(*ray.get(self.solved_weights)))
+
+    def _alone_step_seconds(self, handles: cluster.Handles) -> float:
+        """Seconds an evaluation step takes with nothing else running, as in the final evaluation (the schedule
+        stops training for it): a few steps of an evaluation's games with the first weights, after two untimed
+        ones, before self-play and the learner start. 0 if it failed (the schedule then reserves the whole
+        budget)."""
+        run = self.config.run
+        try:
+            for steps in (2, ALONE_PROBE_STEPS):  # the first steps pay for first calls (warm-up, not timed)
+                result = ray.get(handles.evaluation.evaluate.remote(self.weights, run.eval_episodes, steps,
+                                                                    run.seed + 20_000, None, ALONE_PROBE_SECONDS))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+            log.warning("timing an evaluation step failed (%s); the final evaluation gets its whole budget",
+                        _last_line(error))
+            return 0.0
+        steps = max(1, result["steps"])
+        seconds = (result.get("search_seconds", 0.0) + result.get("env_seconds", 0.0)) / steps
+        log.info("an evaluation step alone: %.1f ms (over %d steps)", 1e3 * seconds, result["steps"])
+        return seconds
 
     def _publish(self, handles: cluster.Handles, wait: bool = False) -> None:
         """The learner's latest weights, to the inference actor; self-play and the rest get them with their next
@@ -625,7 +652,8 @@ class Driver:
             budget = run.final_eval_seconds
             if run.time_limit and budget:
                 budget = min(budget, max(budget / 2, self.start + run.time_limit - time.perf_counter()))
-            args = (final_weights, run.eval_episodes, run.eval_max_steps, run.seed + 10_000, None, budget)
+            args = (final_weights, run.eval_episodes, run.final_eval_max_steps or run.eval_max_steps,
+                    run.seed + 10_000, None, budget)
             playing = handles.evaluation.evaluate.remote(*args)
 
             def collect() -> None:
