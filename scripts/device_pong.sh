@@ -4,11 +4,10 @@
 #
 #   source .device/install.sh && bash scripts/device_pong.sh NAME TIME_LIMIT [--env ALE/Breakout-v5] [section.field=value ...]
 #
-# Everything lands in $OUT: train.out/.log, metrics.jsonl, summary.json, learning_curve.png, plan.json, dmon.txt,
-# weights/ (the newest checkpoint's weights and config), probe.json (PROBE_DEVICE=cpu for a try on a CPU), agent.gif (GIF=1). A run of TIME_LIMIT s takes about TIME_LIMIT + 60 s, the probe up to 90 s more.
-# A bar run (TIME_LIMIT 540) barely fits a 600 s call with its final evaluation (at most run.final_eval_seconds,
-# 40 s in the preset, plus ~10 s of checkpoint, after the limit; ~15 s of install before): TRAIN_TIMEOUT=584
-# PROBE=0 ends it in time (SIGTERM starts rayzero's clean end, final evaluation included; -k 10 kills what is left
+# Everything lands in $OUT: train.out/.log, metrics.jsonl, summary.json, learning_curve.png, dmon.txt,
+# run.tgz (the newest checkpoint's weights, config and plan: at most 8 files come back), probe.json (PROBE_DEVICE=cpu for a try on a CPU), agent.gif (GIF=1). A run of TIME_LIMIT s takes about TIME_LIMIT + 60 s, the probe up to 90 s more.
+# A bar run (TIME_LIMIT 540) fits a 600 s call: its final evaluation ends by the limit, then ~2-10 s of checkpoint
+# (~15 s of install before). TRAIN_TIMEOUT=584 PROBE=0 still ends it in time if it overran (SIGTERM starts rayzero's clean end, final evaluation included; -k 10 kills what is left
 # 10 s later), and metrics.jsonl and train.log are copied into $OUT every 10 s, so what it logged comes back.
 set -u
 name=$1 limit=$2
@@ -25,15 +24,14 @@ watchers="$watchers $!"
 trap 'kill $watchers 2>/dev/null' EXIT
 timeout -k 10 "${TRAIN_TIMEOUT:-$((limit + 90))}" python3 -m rayzero train --config "${CONFIG:-atari}" --out "/tmp/$name" --time-limit "$limit" "$@" \
     > "$out/train.out" 2> "$out/train.log"
-for f in metrics.jsonl summary.json learning_curve.png plan.json; do cp "/tmp/$name/$f" "$out/" 2>/dev/null; done
-# The newest checkpoint's weights (not its GBs of replay), flat in $out/weights/ (the device tool brings back no
-# deeper folders); `bash scripts/weights_to_run.sh $out/weights DIR` makes a run dir of them again, which
-# `rayzero eval --checkpoint DIR --gif agent.gif` plays on any machine.
+for f in metrics.jsonl summary.json learning_curve.png; do cp "/tmp/$name/$f" "$out/" 2>/dev/null; done
+# The newest checkpoint's weights (not its GBs of replay) and the plan, as one file (the device tool brings back
+# at most 8): `mkdir DIR && tar xzf run.tgz -C DIR` makes a run dir that `rayzero eval --checkpoint DIR --gif
+# agent.gif` plays on any machine.
 if [ -e "/tmp/$name/checkpoints/latest" ]; then
     step=$(cat "/tmp/$name/checkpoints/latest")
-    mkdir -p "$out/weights"
-    cp "/tmp/$name/config.yaml" "/tmp/$name/checkpoints/latest" "$out/weights/"
-    for f in model.safetensors state.json checksums.json; do cp "/tmp/$name/checkpoints/$step/$f" "$out/weights/"; done
+    tar czf "$out/run.tgz" -C "/tmp/$name" config.yaml plan.json checkpoints/latest \
+        "checkpoints/$step/model.safetensors" "checkpoints/$step/state.json" "checkpoints/$step/checksums.json"
 fi
 python3 scripts/lab_row.py "/tmp/$name" --dmon "$out/dmon.txt" --at "60,120,180,300,$limit"
 [ "${PROBE:-1}" = 1 ] && timeout 90 python3 scripts/search_probe.py --checkpoint "/tmp/$name" --device "${PROBE_DEVICE:-cuda}" --envs 16 --steps 200 --every 20 \
