@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--env", default=None, help="Gymnasium env id, e.g. ALE/Breakout-v5 (overrides env.id)")
     train.add_argument("--seed", type=int, default=None, help="run.seed")
     train.add_argument("--out", required=True, help="run directory")
-    train.add_argument("--time-limit", type=float, default=None, help="seconds of training (run.time_limit)")
+    train.add_argument("--time-limit", type=float, default=None, help="wall-clock seconds of the run from its start, final evaluation included (run.time_limit)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.add_argument("overrides", nargs="*", help="section.field=value")
 
