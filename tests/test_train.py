@@ -80,7 +80,8 @@ def test_atari_smoke_train_then_eval(tmp_path):
         "env.num_envs=2", "search.num_simulations=4", "model.channels=16", "model.support_size=10",
         "replay.capacity=3000", "replay.min_size=100", "replay.segment_length=50", "learner.batch_size=8",
         "learner.steps_per_call=2", "learner.checkpoint_interval=4", "run.eval_episodes=1",
-        "run.eval_max_steps=30", "run.selfplay_steps_per_call=5", "run.eval_interval=1000",
+        "run.eval_max_steps=30", "run.final_eval_max_steps=30", "run.selfplay_steps_per_call=5",
+        "run.eval_interval=1000",
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["env_id"] == "ALE/Pong-v5" and summary["env_steps"] > 0 and summary["learner_steps"] > 0
