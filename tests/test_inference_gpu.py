@@ -248,6 +248,37 @@ def test_whole_search_graphs_match_eager_search():
     assert graphs.stats()["search_graphs"] >= 4  # start-up buckets 8, 16, 32 + the override's
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_compiled_recurrent_step_in_the_captured_graphs_answers_as_the_eager_one(bf16):
+    """inference.compile_recurrent on the GPU: the recurrent graphs and whole-search graphs, captured around the
+    compiled step, answer as those around the eager step, before and after a weight swap."""
+    config = SearchConfig(num_simulations=8, dirichlet_fraction=0.0, temperature=0.0)
+    compiled = _server(bf16=bf16, search_cfg=config, compile_recurrent=True)
+    plain = _server(bf16=bf16, search_cfg=config)
+    obs = _obs(20, seed=5)
+    actions = np.random.default_rng(5).integers(0, A, size=20)
+
+    async def go(srv):
+        root = await srv.initial("a", obs)
+        step = await srv.recurrent("a", root["handles"], actions)
+        return step, await srv.search("b", obs)
+
+    tolerance = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-3, atol=1e-3)
+    for version in (1, 2):
+        state = {k: v.clone() for k, v in plain.model.state_dict().items()}
+        if version == 2:
+            _randomize(plain.model, seed=9)
+            state = {k: v.clone() for k, v in plain.model.state_dict().items()}
+        asyncio.run(compiled.set_weights(version, state))
+        asyncio.run(plain.set_weights(version, state))
+        (c_step, c_search), (p_step, p_search) = asyncio.run(go(compiled)), asyncio.run(go(plain))
+        for key in ("value", "reward", "policy_logits"):
+            np.testing.assert_allclose(c_step[key], p_step[key], **tolerance)
+        np.testing.assert_allclose(c_search["root_value"], p_search["root_value"], **tolerance)
+        assert (c_search["visit_counts"] == p_search["visit_counts"]).all(1).mean() >= 0.8
+    assert compiled.stats()["buckets"]["search/32"]["graph"] == 1
+
+
 def test_bad_requests_fail_alone_on_the_gpu():
     srv = _server(search_max_batch=0)
 

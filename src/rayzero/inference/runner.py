@@ -130,6 +130,10 @@ class Runner:
         if self.cuda and cfg.channels_last:
             model.to(memory_format=torch.channels_last)
         self.use_graphs = cfg.cuda_graphs and self.cuda
+        # The recurrent step as inductor's fused kernels (one compile for every batch size), inside the captured
+        # graphs too: a small batch's search is bound by its kernel count, ~70 of them per simulation eagerly.
+        # The parameters stay inputs of the compiled code, so weights copied in place are what it computes with.
+        self._recurrent = torch.compile(model.recurrent, dynamic=True) if cfg.compile_recurrent else model.recurrent
         self.M, self.A = cfg.max_batch, num_actions
         self.P = cfg.latent_pool_size
         self.ladder = list(ladder)
@@ -221,7 +225,7 @@ class Runner:
             if kind == "initial":
                 o = self.model.initial(s["obs"][:n])
             else:
-                o = self.model.recurrent(self.latents.index_select(0, idx[SRC, :n]), idx[ACT, :n])
+                o = self._recurrent(self.latents.index_select(0, idx[SRC, :n]), idx[ACT, :n])
         self.latents.index_copy_(0, idx[DST, :n], o.latent.to(self.latent_dtype))
         self._pack(o, s["out"][:n])
 
@@ -233,7 +237,7 @@ class Runner:
     def search_fn(self, action: torch.Tensor, embedding: torch.Tensor) -> tuple[RecurrentOutput, torch.Tensor]:
         """recurrent_fn of the whole-search requests: the model's recurrent step under the actor's autocast."""
         with self.autocast():
-            o = self.model.recurrent(embedding, action)
+            o = self._recurrent(embedding, action)
         value = o.value.float()
         out = RecurrentOutput(o.reward.float(), torch.full_like(value, self.discount), o.policy_logits.float(), value)
         return out, o.latent
@@ -475,7 +479,7 @@ class Runner:
         start = time.perf_counter()
         n = len(src)
         with self.autocast():
-            o = self.model.recurrent(self.latents.index_select(0, self._tensor(src)), self._tensor(action))
+            o = self._recurrent(self.latents.index_select(0, self._tensor(src)), self._tensor(action))
         keep = np.flatnonzero(dst >= 0)
         if len(keep):
             rows = self._tensor(keep)

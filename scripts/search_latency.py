@@ -1,0 +1,89 @@
+"""Whole-search latency through the inference actor at the small batches that wait on it: one env alone, the
+greedy evaluation's 10 games, a self-play half of 32 envs. Each variant (inference overrides, e.g.
+`compile_recurrent=true`) builds its own inference actor with the preset's network and search, alone on the
+device, and times `search` requests one after another (p50 and p99 of the round trip, and the device's share).
+It prints a table and writes JSON with machine, versions and date.
+
+    python3 scripts/search_latency.py [--preset atari] [--rows 1,10,32] [--requests 200] [--json PATH] \
+        [--variants "plain;compile_recurrent=true"]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from rayzero import config as config_lib
+from rayzero.bench.common import write_json
+from rayzero.config import InferenceConfig
+from rayzero.envs import env_spec
+from rayzero.inference import InferenceServer
+
+
+def variant_config(base: InferenceConfig, spec: str) -> InferenceConfig:
+    """`plain`, or `field=value[,field=value]` over the preset's inference section."""
+    if spec == "plain":
+        return base
+    fields = {f.name: f for f in dataclasses.fields(InferenceConfig)}
+    changes = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"variant {spec!r}: inference has no field {name!r}; valid: {', '.join(fields)}")
+        kind = type(getattr(base, name))
+        changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return dataclasses.replace(base, **changes)
+
+
+def time_variant(config: config_lib.Config, inference: InferenceConfig, rows: list[int], requests: int) -> dict:
+    spec = env_spec(config.env)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    search_cfg = dataclasses.replace(config.search, dirichlet_fraction=0.0, temperature=0.0)  # greedy: evaluation
+    started = time.perf_counter()
+    srv = InferenceServer(config.model, dataclasses.replace(inference, device=device, max_batch=max(64, 2 * max(rows))),
+                          spec.observation_shape, spec.num_actions, seed=0, search_cfg=search_cfg,
+                          discount=config.replay.discount)
+    ready = time.perf_counter() - started
+    rng = np.random.default_rng(0)
+    out = {"ready_s": ready, "rows": {}}
+    for n in rows:
+        obs = rng.integers(0, 256, size=(n, *spec.observation_shape), dtype=np.uint8)
+        times, device_ms = [], []
+        for i in range(requests + 5):
+            start = time.perf_counter()
+            answer = asyncio.run(srv.search("bench", obs))
+            if i >= 5:  # the first requests warm up
+                times.append(1e3 * (time.perf_counter() - start))
+                device_ms.append(float(answer.get("device_ms", 0.0)))
+        out["rows"][n] = {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99)),
+                          "device_ms": float(np.median(device_ms)), "requests": requests}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="atari")
+    parser.add_argument("--rows", default="1,10,32")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--variants", default="plain;compile_recurrent=true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    config = config_lib.load(args.preset)
+    rows = [int(r) for r in args.rows.split(",")]
+    results = {}
+    for spec in args.variants.split(";"):
+        results[spec] = time_variant(config, variant_config(config.inference, spec), rows, args.requests)
+        print(f"{spec}: ready in {results[spec]['ready_s']:.1f} s", flush=True)
+    print(f"{'variant':32s} {'rows':>5s} {'p50 ms':>8s} {'p99 ms':>8s} {'device ms':>10s}")
+    for spec, result in results.items():
+        for n, row in result["rows"].items():
+            print(f"{spec:32s} {n:5d} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['device_ms']:10.2f}")
+    write_json(args.json, "search_latency", {"preset": args.preset, "variants": results})
+
+
+if __name__ == "__main__":
+    main()
