@@ -7,7 +7,8 @@
 #   source .device/install.sh && bash scripts/device_checks.sh
 #   TESTS=tests/test_learner_gpu.py BENCH=0 ...   (a subset; BENCH=0 skips the bench, TESTS= skips the tests)
 #
-# Lands in $OUT: gpu_tests.txt, bench_learner_preset.json and .txt. The 31 tests took more than 250 s on
+# Then small-batch whole-search latency, eager against the compiled recurrent step (scripts/search_latency.py;
+# LATENCY=0 skips it). Lands in $OUT: gpu_tests.txt, bench_learner_preset.json and .txt, search_latency.json and .txt. The 31 tests took more than 250 s on
 # 2026-12-04 (24 had run; the learner's compile-heavy ones come last); the bench ~140 s.
 set -u
 out=${OUT:-/tmp/device_checks}
@@ -25,4 +26,10 @@ if [ "${BENCH:-1}" = 1 ]; then
         --json "$out/bench_learner_preset.json" learner.background_compile=false > "$out/bench_learner_preset.txt" 2>&1
     echo "bench learner --preset atari (rc $?):"
     grep -E "compiled step|learner: warm|samples/s" "$out/bench_learner_preset.txt" | cut -c1-400 | tail -6
+fi
+if [ "${LATENCY:-1}" = 1 ]; then
+    timeout "${LATENCY_TIMEOUT:-240}" python3 scripts/search_latency.py --rows 1,10,32 --requests 200 \
+        --json "$out/search_latency.json" > "$out/search_latency.txt" 2>&1
+    echo "search latency (rc $?):"
+    grep -A8 "^variant" "$out/search_latency.txt" || tail -5 "$out/search_latency.txt"
 fi
