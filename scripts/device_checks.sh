@@ -8,8 +8,9 @@
 #   TESTS=tests/test_learner_gpu.py BENCH=0 ...   (a subset; BENCH=0 skips the bench, TESTS= skips the tests)
 #
 # Then small-batch whole-search latency, eager against the compiled recurrent step (scripts/search_latency.py;
-# LATENCY=0 skips it). Lands in $OUT: gpu_tests.txt, bench_learner_preset.json and .txt, search_latency.json and .txt. The 31 tests took more than 250 s on
-# 2026-12-04 (24 had run; the learner's compile-heavy ones come last); the bench ~140 s.
+# LATENCY=0 skips it). Lands in $OUT: gpu_tests.txt, bench_learner_preset.json and .txt, search_latency.json and
+# .txt. The 31 tests took more than 250 s on 2026-12-04 (24 had run; the learner's compile-heavy ones come last);
+# the inference tests alone 51 s; the bench ~140 s.
 set -u
 out=${OUT:-/tmp/device_checks}
 mkdir -p "$out"
