@@ -588,6 +588,11 @@ class RunConfig:
     selfplay_steps_per_call: int = 20
     """Batched env steps a self-play actor takes per remote call (weights are refreshed between calls)."""
 
+    @property
+    def final_steps(self) -> int:
+        """The final evaluation's step cap: final_eval_max_steps, or eval_max_steps where that is 0."""
+        return self.final_eval_max_steps or self.eval_max_steps
+
     def __post_init__(self) -> None:
         # OmegaConf hands sequences over as lists; keep the frozen dataclass hashable and comparable.
         try:

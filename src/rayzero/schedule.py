@@ -120,7 +120,7 @@ class Rules:
             eval_max_steps=run.eval_max_steps,
             log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
             time_limit=run.time_limit, final_reserve=final_reserve(run),
-            final_max_steps=run.final_eval_max_steps or run.eval_max_steps,
+            final_max_steps=run.final_steps,
             max_env_steps=run.max_env_steps, max_learner_steps=run.max_learner_steps,
             free_first_call=learner_compiles, warmup_transitions=learner.warmup_transitions,
             learn_calls=learner.calls_in_flight,
@@ -133,6 +133,13 @@ def final_reserve(run: RunConfig) -> float:
     if not run.time_limit:
         return 0.0
     return min(run.final_eval_seconds, run.time_limit / 4)
+
+
+def _grown(steps: int, cap: int) -> float:
+    """The longest game the next evaluation is expected to play, from the last one's `steps`: EVAL_GROWTH times
+    as long, at most `cap` steps (0 = no cap)."""
+    longest = EVAL_GROWTH * steps
+    return min(longest, cap) if cap else longest
 
 
 def temperature_at(schedule: tuple[tuple[int, float], ...], learner_steps: int) -> float:
@@ -239,10 +246,7 @@ class Schedule:
         seconds = max(0.0, now - self.eval_started)
         self.longest_eval = steps or self.longest_eval
         if steps > 0:
-            longest = EVAL_GROWTH * steps
-            if self.rules.eval_max_steps:
-                longest = min(longest, self.rules.eval_max_steps)
-            self.expected_eval = EVAL_MARGIN * seconds / steps * max(longest, steps)
+            self.expected_eval = EVAL_MARGIN * seconds / steps * max(_grown(steps, self.rules.eval_max_steps), steps)
         else:  # an evaluation that failed: as long as the longest expected so far
             self.expected_eval = max(self.expected_eval, EVAL_MARGIN * seconds)
         self.next_eval = now + self.rules.eval_interval
@@ -255,9 +259,7 @@ class Schedule:
         rules = self.rules
         if not self.alone_step_seconds or not self.longest_eval:
             return rules.final_reserve
-        longest = EVAL_GROWTH * self.longest_eval
-        if rules.final_max_steps:
-            longest = min(longest, rules.final_max_steps)
+        longest = _grown(self.longest_eval, rules.final_max_steps)
         return min(rules.final_reserve, EVAL_MARGIN * self.alone_step_seconds * longest)
 
     @property

@@ -646,14 +646,13 @@ class Driver:
         if self.last_eval is None or self.last_eval["version"] != version or \
                 len(self.last_eval["returns"]) != run.eval_episodes:
             # It plays while the checkpoint is written (other actors), and is collected before the commit;
-            # run.final_eval_seconds bounds it. With a time limit, training stopped that long before it
-            # (schedule.final_reserve): the evaluation ends by the limit, or half its budget after it if the
+            # run.final_eval_seconds bounds it. With a time limit, training stopped up to that long before it
+            # (Schedule.reserve): the evaluation ends by the limit, or half its budget after it if the
             # in-flight calls took longer than the budget's half to finish.
             budget = run.final_eval_seconds
             if run.time_limit and budget:
                 budget = min(budget, max(budget / 2, self.start + run.time_limit - time.perf_counter()))
-            args = (final_weights, run.eval_episodes, run.final_eval_max_steps or run.eval_max_steps,
-                    run.seed + 10_000, None, budget)
+            args = (final_weights, run.eval_episodes, run.final_steps, run.seed + 10_000, None, budget)
             playing = handles.evaluation.evaluate.remote(*args)
 
             def collect() -> None:
