@@ -34,6 +34,9 @@ VARIANTS = {
     "side_eager_warm": (["learner.compile_side_steps=false"], "side_eager"),
     "eager": (["learner.compile=false"], "eager"),
     "batch_512": (["learner.batch_size=512"], "batch_512"),
+    # learner.compile_regions: the root and one unrolled step compiled on their own (the step traced once for all K)
+    "regions": (["learner.compile_regions=true"], "regions"),
+    "regions_warm": (["learner.compile_regions=true"], "regions"),
 }
 
 

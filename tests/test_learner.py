@@ -548,6 +548,52 @@ def _consistency_learners():
     return model, base, replay
 
 
+@pytest.mark.parametrize("targets", ["separate", "step"])
+def test_the_loss_compiled_as_regions_traces_one_unrolled_step_for_all_of_them_and_trains_as_eager(
+        monkeypatch, targets):
+    """learner.compile_regions: the root, one unrolled step and the consistency targets are compiled each on its
+    own, so dynamo traces the step once for all K = 5 calls of every update, into a graph far smaller than the
+    whole unrolled loss's; the updates are eager's. The backend here runs the traced graphs as they are."""
+    graphs = []
+    real_compile = torch.compile
+
+    def tracing_compile(fn, **kwargs):  # torch.compile with a backend that records each graph it is given
+        name = getattr(fn, "__name__", type(fn).__name__)
+
+        def backend(gm, example_inputs):
+            graphs.append((name, len(gm.graph.nodes)))
+            return gm.forward
+        return real_compile(fn, backend=backend, dynamic=False)
+
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    replay = ReplayBuffer(ReplayConfig(capacity=500, unroll_steps=5, td_steps=2, min_size=0, next_obs=True), seed=0)
+    for segment in image_segments(length=30):
+        replay.add(segment)
+    batches = [replay.sample(8) for _ in range(4)]
+    base = dict(batch_size=8, lr=1e-3, lr_warmup_steps=0, device="cpu", consistency_weight=1.0, consistency_dim=16,
+                consistency_targets=targets, compile_check_steps=0, compile_side_steps=False)
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    expected = [reference.step(b)[0] for b in batches]
+    monkeypatch.setattr(torch, "compile", tracing_compile)
+    whole = Learner(model, LearnerConfig(**base, compile=True), (3, 16, 16), 3, seed=0)
+    whole.step(batches[0])
+    (_, whole_nodes), = graphs
+    graphs.clear()
+    regions = Learner(model, LearnerConfig(**base, compile=True, compile_regions=True), (3, 16, 16), 3, seed=0)
+    for batch, want in zip(batches, expected):
+        got, _ = regions.step(batch)
+        for name in ("loss", "policy_loss", "value_loss", "reward_loss", "consistency_loss", "grad_norm"):
+            assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
+    assert regions.compile_state == "on:reduce-overhead"
+    traced = [name for name, _ in graphs]
+    assert traced.count("step_terms") == 1 and traced.count("root_terms") == 1, graphs
+    assert traced.count("consistency_targets") == (1 if targets == "step" else 0), graphs
+    # Five unrolled steps in the whole loss's graph against one in the regions'.
+    assert sum(nodes for _, nodes in graphs) < 0.6 * whole_nodes, (graphs, whole_nodes)
+    for a, b in zip(regions.model.state_dict().values(), reference.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_side_steps_stay_eager_when_asked_while_the_step_compiles(monkeypatch):
     compiled = []
 

@@ -281,6 +281,24 @@ def test_the_step_graph_trains_as_the_eager_step_at_the_atari_size():
         torch.testing.assert_close(graph_weights[name], weight, rtol=1e-3, atol=1e-4, msg=name)
 
 
+def test_the_loss_compiled_as_regions_trains_as_eager_at_the_atari_size():
+    """learner.compile_regions on the `atari` preset's learner as a colocated run compiles it (inductor 'default',
+    the whole update replayed as one CUDA graph), the compile check off: its gradient norms and losses follow the
+    eager step's on the same batches, within what bf16 sums in no fixed order allow."""
+    cfg, batches, obs_shape = _atari_batches([], 10, 256)
+    runs = {}
+    for regions in (None, True):
+        learner_cfg = dataclasses.replace(cfg.learner, device="cuda", compile=regions is not None,
+                                          compile_mode="default", compile_regions=bool(regions),
+                                          compile_check_steps=0, background_compile=False)
+        learner = Learner(cfg.model, learner_cfg, obs_shape, 6, seed=0)
+        runs[regions] = [learner.step(b)[0] for b in batches]
+        assert learner.compile_state == ("on:default" if regions else "off")
+    for name in ("loss", "grad_norm", "value_loss", "policy_loss"):
+        np.testing.assert_allclose([m[name] for m in runs[True]], [m[name] for m in runs[None]], rtol=0.05,
+                                   err_msg=name)
+
+
 def test_the_step_graph_runs_while_the_background_compile_does_and_then_gives_way():
     """With learner.background_compile the updates before the compiled step replay the eager step's graph; once
     the helper is done the compiled step takes over and the graph stops."""

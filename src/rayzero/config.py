@@ -293,6 +293,11 @@ class LearnerConfig:
     compile_backend: str = "inductor"
     """torch.compile backend: 'inductor' (kernels generated for the step); 'aot_eager' traces the step (graphs,
     autograd) without generating kernels, which compiles in seconds: for debugging a compile failure, and tests."""
+    compile_regions: bool = False
+    """Compile the loss as three regions, each traced once: the unroll's root, one unrolled step (called K times)
+    and the consistency targets, instead of one graph of the whole K-step unroll; a model with a value prefix
+    compiles whole. A smaller graph to compile, at the cost of fusion across the regions' few boundaries (under
+    learner.step_graph they add no kernel launches). Measure both with scripts/compile_cost.py."""
     background_compile: bool = False
     """Fill the compile cache in a helper process, from the first batch, while the first updates run eagerly;
     once it is done the learner compiles from the warm cache (seconds, not the minutes of a cold compile) and

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import inspect
 import math
@@ -39,7 +40,7 @@ from rayzero.config import LearnerConfig, ModelConfig
 from rayzero.devices import resolve_device
 from rayzero.learner import background
 from rayzero.learner.checkpoint import MODEL, CheckpointError
-from rayzero.learner.loss import STAT_NAMES, ConsistencyHeads, MuZeroLoss, bootstrap_values
+from rayzero.learner.loss import STAT_NAMES, CompiledRegions, ConsistencyHeads, MuZeroLoss, bootstrap_values
 from rayzero.learner.prefetch import PriorityOutbox, Prefetcher, Staging, Uploaded
 from rayzero.learner.step_graph import StepGraph
 from rayzero.logs import first_line, logger
@@ -319,9 +320,13 @@ class Learner:
         if getattr(self, "_step_graph", None) is not None:
             self._step_graph.drop()  # the compiled step takes over from the eager one's graph
         if self.cfg.compile_backend == "inductor":
-            self._switch.use(torch.compile(self.loss_module, dynamic=False, mode=mode))
+            compile = functools.partial(torch.compile, dynamic=False, mode=mode)
         else:  # modes are inductor's
-            self._switch.use(torch.compile(self.loss_module, dynamic=False, backend=self.cfg.compile_backend))
+            compile = functools.partial(torch.compile, dynamic=False, backend=self.cfg.compile_backend)
+        if self.cfg.compile_regions and not self.model.value_prefix:
+            self._switch.use(CompiledRegions(self.loss_module, compile))
+        else:
+            self._switch.use(compile(self.loss_module))
         # CUDA graphs (reduce-overhead) reuse their output memory at the next replay: outputs are consumed within
         # the step, and each step is marked, so a replay never overwrites what is still needed.
         self._graphs = (mode == "reduce-overhead" and self.device.type == "cuda"

@@ -97,64 +97,108 @@ class MuZeroLoss(nn.Module):
         latent = self.model.represent(self._images(next_obs.flatten(0, 1)))
         return self.consistency.project(latent).float().view(next_obs.shape[0], next_obs.shape[1], -1)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def root_terms(self, obs: torch.Tensor, target_policy: torch.Tensor, target_value: torch.Tensor,
+                   policy_mask: torch.Tensor, value_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The unroll's root: obs [B, *obs] and its targets [B, A] / [B] / masks [B] -> (latent, policy loss,
+        value loss, priorities, target entropy, KL(search || prior)), per sample."""
+        model = self.model
+        support = model.support_size
+        latent = model.represent(self._images(obs))
+        policy_logits, value_logits = model.predict(latent)
+        policy_loss = _cross_entropy(policy_logits, target_policy) * policy_mask
+        value_loss = _cross_entropy(value_logits, scalar_to_support(target_value, support)) * value_mask
+        priorities = (support_to_scalar(value_logits.detach(), support) - target_value).abs()
+        with torch.no_grad():
+            target = target_policy.float()
+            target_entropy = -(target * target.clamp_min(1e-12).log()).sum(-1)
+            policy_kl = policy_loss.detach() - target_entropy * policy_mask
+        return latent, policy_loss, value_loss, priorities, target_entropy, policy_kl
+
+    def step_terms(self, latent: torch.Tensor, action: torch.Tensor, target_policy: torch.Tensor,
+                   target_value: torch.Tensor, target_reward: torch.Tensor, policy_mask: torch.Tensor,
+                   value_mask: torch.Tensor, reward_mask: torch.Tensor, consistency_target: torch.Tensor | None,
+                   next_mask: torch.Tensor | None, step_scale: float) -> tuple[torch.Tensor, ...]:
+        """One unrolled dynamics step (without a value prefix): the latent before it and the step's targets ->
+        (next latent, and its weighted policy, value and reward losses, reward error and consistency loss)."""
+        model = self.model
+        support = model.support_size
+        latent, reward_logits = model.dynamics(scale_gradient(latent, self.dynamics_grad_scale), action)
+        policy_logits, value_logits = model.predict(latent)
+        policy_loss = step_scale * _cross_entropy(policy_logits, target_policy) * policy_mask
+        value_loss = step_scale * _cross_entropy(value_logits, scalar_to_support(target_value, support)) * value_mask
+        reward_loss = step_scale * _cross_entropy(reward_logits, scalar_to_support(target_reward, support)) * reward_mask
+        with torch.no_grad():
+            reward_error = step_scale * reward_mask * (
+                support_to_scalar(reward_logits.detach(), support) - target_reward).abs()
+        consistency_loss = torch.zeros_like(policy_loss)
+        if consistency_target is not None:
+            online = self.consistency.predict(latent).float()
+            cosine = F.cosine_similarity(online, consistency_target, dim=-1, eps=1e-5)
+            consistency_loss = step_scale * cosine * next_mask
+        return latent, policy_loss, value_loss, reward_loss, reward_error, consistency_loss
+
+    def forward(self, batch: dict[str, torch.Tensor], regions: CompiledRegions | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """regions: run the root, each unrolled step and the consistency targets through their compiled forms
+        (`CompiledRegions`); the arithmetic is the same either way."""
         model = self.model
         support = model.support_size
         actions = batch["actions"]
         num_unroll = actions.shape[1]
         step_scale = 1.0 / num_unroll if self.unroll_step_weight is None else self.unroll_step_weight
         grad_scale = self.dynamics_grad_scale
-        latent = model.represent(self._images(batch["obs"]))
-        policy_logits, value_logits = model.predict(latent)
-        value_targets = scalar_to_support(batch["target_values"], support)  # [B, K+1, bins]
-        reward_targets = scalar_to_support(batch["target_rewards"], support)
         policy_mask, value_mask, reward_mask = batch["policy_mask"], batch["value_mask"], batch["reward_mask"]
-
-        policy_loss = _cross_entropy(policy_logits, batch["target_policies"][:, 0]) * policy_mask[:, 0]
-        value_loss = _cross_entropy(value_logits, value_targets[:, 0]) * value_mask[:, 0]
+        root_terms = self.root_terms if regions is None else regions.root
+        latent, policy_loss, value_loss, priorities, target_entropy, policy_kl = root_terms(
+            batch["obs"], batch["target_policies"][:, 0], batch["target_values"][:, 0], policy_mask[:, 0],
+            value_mask[:, 0])
         reward_loss = torch.zeros_like(policy_loss)
         consistency_loss = torch.zeros_like(policy_loss)
-        priorities = (support_to_scalar(value_logits.detach(), support) - batch["target_values"][:, 0]).abs()
-        with torch.no_grad():
-            target = batch["target_policies"][:, 0].float()
-            target_entropy = -(target * target.clamp_min(1e-12).log()).sum(-1)
-            policy_kl = policy_loss.detach() - target_entropy * policy_mask[:, 0]
-            reward_error = torch.zeros_like(priorities)
+        reward_error = torch.zeros_like(priorities)
 
         use_consistency = self.consistency is not None and self.consistency_weight > 0
+        targets = None
         if use_consistency:
             targets = batch.get("consistency_targets")
             if targets is None:
-                targets = self.consistency_targets(batch["next_obs"])
+                targets = (self.consistency_targets if regions is None else regions.targets)(batch["next_obs"])
 
-        if model.value_prefix:
-            state = model.prefix_state(actions.shape[0], actions.device, latent.dtype)
+        if not model.value_prefix:
+            step_terms = self.step_terms if regions is None else regions.step
+            for k in range(1, num_unroll + 1):
+                latent, policy_k, value_k, reward_k, error_k, consistency_k = step_terms(
+                    latent, actions[:, k - 1], batch["target_policies"][:, k], batch["target_values"][:, k],
+                    batch["target_rewards"][:, k], policy_mask[:, k], value_mask[:, k], reward_mask[:, k],
+                    None if targets is None else targets[:, k - 1],
+                    batch["next_mask"][:, k - 1] if use_consistency else None, step_scale)
+                policy_loss = policy_loss + policy_k
+                value_loss = value_loss + value_k
+                reward_loss = reward_loss + reward_k
+                reward_error = reward_error + error_k
+                if use_consistency:
+                    consistency_loss = consistency_loss - consistency_k
+        else:
+            value_targets = scalar_to_support(batch["target_values"], support)  # [B, K+1, bins]
             reward_targets = scalar_to_support(value_prefix_targets(
                 batch["target_rewards"] * reward_mask, model.prefix_horizon), support)
-        for k in range(1, num_unroll + 1):
-            if model.value_prefix:
+            state = model.prefix_state(actions.shape[0], actions.device, latent.dtype)
+            for k in range(1, num_unroll + 1):
                 latent = model.transition(scale_gradient(latent, grad_scale), actions[:, k - 1])
                 reward_logits, state = model.prefix_step(latent, state)
                 if k % model.prefix_horizon == 0:
                     state = model.prefix_state(actions.shape[0], actions.device, latent.dtype)
-            else:
-                latent, reward_logits = model.dynamics(scale_gradient(latent, grad_scale), actions[:, k - 1])
-            policy_logits, value_logits = model.predict(latent)
-            policy_loss = policy_loss + step_scale * _cross_entropy(
-                policy_logits, batch["target_policies"][:, k]
-            ) * policy_mask[:, k]
-            value_loss = value_loss + step_scale * _cross_entropy(value_logits, value_targets[:, k]) * value_mask[:, k]
-            reward_loss = reward_loss + step_scale * _cross_entropy(
-                reward_logits, reward_targets[:, k]
-            ) * reward_mask[:, k]
-            if not model.value_prefix:
-                with torch.no_grad():
-                    reward_error = reward_error + step_scale * reward_mask[:, k] * (
-                        support_to_scalar(reward_logits.detach(), support) - batch["target_rewards"][:, k]).abs()
-            if use_consistency:
-                online = self.consistency.predict(latent).float()
-                cosine = F.cosine_similarity(online, targets[:, k - 1], dim=-1, eps=1e-5)
-                consistency_loss = consistency_loss - step_scale * cosine * batch["next_mask"][:, k - 1]
+                policy_logits, value_logits = model.predict(latent)
+                policy_loss = policy_loss + step_scale * _cross_entropy(
+                    policy_logits, batch["target_policies"][:, k]
+                ) * policy_mask[:, k]
+                value_loss = value_loss + step_scale * _cross_entropy(value_logits, value_targets[:, k]) * value_mask[:, k]
+                reward_loss = reward_loss + step_scale * _cross_entropy(
+                    reward_logits, reward_targets[:, k]
+                ) * reward_mask[:, k]
+                if use_consistency:
+                    online = self.consistency.predict(latent).float()
+                    cosine = F.cosine_similarity(online, targets[:, k - 1], dim=-1, eps=1e-5)
+                    consistency_loss = consistency_loss - step_scale * cosine * batch["next_mask"][:, k - 1]
 
         per_sample = policy_loss + self.value_loss_weight * value_loss + reward_loss
         if use_consistency:
@@ -164,6 +208,23 @@ class MuZeroLoss(nn.Module):
                              (priorities * value_mask[:, 0]).mean(), reward_error.mean(), target_entropy.mean(),
                              policy_kl.mean()])
         return loss, stats.detach(), priorities
+
+
+class CompiledRegions:
+    """A `MuZeroLoss` whose root, unrolled step and consistency targets are compiled each on its own
+    (`learner.compile_regions`): the K unrolled steps share one traced graph instead of K copies of it in one
+    whole-loss graph, so compiling takes a fraction of the time; the loss's few glue ops between them stay eager.
+    Under the learner's step graph (one CUDA graph for the whole update) the extra graph boundaries add no
+    launches. `compile` is torch.compile with the learner's mode, or any callable of the same shape."""
+
+    def __init__(self, loss: MuZeroLoss, compile):
+        self.loss = loss
+        self.root = compile(loss.root_terms)
+        self.step = compile(loss.step_terms)
+        self.targets = compile(loss.consistency_targets)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.loss(batch, regions=self)
 
 
 def value_prefix_targets(rewards: torch.Tensor, horizon: int) -> torch.Tensor:
