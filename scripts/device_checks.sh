@@ -7,9 +7,10 @@
 #   source .device/install.sh && bash scripts/device_checks.sh
 #   TESTS=tests/test_learner_gpu.py BENCH=0 ...   (a subset; BENCH=0 skips the bench, TESTS= skips the tests)
 #
-# Then small-batch whole-search latency, eager against the compiled recurrent step (scripts/search_latency.py;
-# LATENCY=0 skips it). Lands in $OUT: gpu_tests.txt, bench_learner_preset.json and .txt, search_latency.json and
-# .txt. The 31 tests took more than 250 s on 2026-12-04 (24 had run; the learner's compile-heavy ones come last);
+# Then the compile's cost, whole against as regions (scripts/compile_cost.py; COMPILE=0 skips it), and small-batch
+# whole-search latency, eager against the compiled recurrent step (scripts/search_latency.py;
+# LATENCY=0 skips it). Lands in $OUT: gpu_tests.txt, bench_learner_preset.json and .txt, compile_cost.json and .txt,
+# compile_times.txt, search_latency.json and .txt. The 31 tests took more than 250 s on 2026-12-04 (24 had run; the learner's compile-heavy ones come last);
 # the inference tests alone 51 s; the bench ~140 s.
 set -u
 out=${OUT:-/tmp/device_checks}
@@ -27,6 +28,15 @@ if [ "${BENCH:-1}" = 1 ]; then
         --json "$out/bench_learner_preset.json" learner.background_compile=false > "$out/bench_learner_preset.txt" 2>&1
     echo "bench learner --preset atari (rc $?):"
     grep -E "compiled step|learner: warm|samples/s" "$out/bench_learner_preset.txt" | cut -c1-400 | tail -6
+fi
+if [ "${COMPILE:-1}" = 1 ]; then
+    # The preset's step compiled whole against as regions (learner.compile_regions), cold each, in inductor's
+    # 'default' mode as the colocated learner compiles it: seconds to the first fast update, and ms a step.
+    timeout "${COMPILE_TIMEOUT:-300}" python3 scripts/compile_cost.py --variants "${COMPILE_VARIANTS:-cold,regions}" \
+        --steps 30 --json "$out/compile_cost.json" --log-dir "$out" learner.compile_mode=default \
+        > "$out/compile_cost.txt" 2>&1
+    echo "compile cost (rc $?):"
+    grep -A4 "^variant" "$out/compile_cost.txt" || tail -5 "$out/compile_cost.txt"
 fi
 if [ "${LATENCY:-1}" = 1 ]; then
     timeout "${LATENCY_TIMEOUT:-240}" python3 scripts/search_latency.py --rows 1,10,32 --requests 200 \
