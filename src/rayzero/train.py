@@ -95,11 +95,11 @@ def plot_learning_curve(run_dir: Path) -> None:
             mean = np.array([r["eval_return_mean"] for r in evals])
             std = np.array([r["eval_return_std"] for r in evals])
             x = [r[x_key] for r in evals]
-            ax.plot(x, mean, marker="o", label="eval (greedy), at its end")
-            ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+            line, = ax.plot(x, mean, marker="o", label="eval (greedy), at its end")
+            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2, label="eval ± std")
             if x_key == "wall_seconds":  # the time each evaluation played (with the weights of that time)
                 spans = [min(r.get("eval_seconds", 0.0), r["wall_seconds"]) for r in evals]
-                ax.errorbar(x, mean, xerr=[spans, [0.0] * len(spans)], fmt="none", ecolor="tab:orange",
+                ax.errorbar(x, mean, xerr=[spans, [0.0] * len(spans)], fmt="none", ecolor=line.get_color(),
                             alpha=0.6, capsize=3)
         ax.set_xlabel(label)
         ax.set_ylabel("episode return")
