@@ -341,6 +341,7 @@ class Driver:
         ones, before self-play and the learner start. 0 if it failed (the schedule then reserves the whole
         budget)."""
         run = self.config.run
+        started = time.perf_counter()
         try:
             for steps in (2, ALONE_PROBE_STEPS):  # the first steps pay for first calls (warm-up, not timed)
                 result = ray.get(handles.evaluation.evaluate.remote(self.weights, run.eval_episodes, steps,
@@ -351,7 +352,8 @@ class Driver:
             return 0.0
         steps = max(1, result["steps"])
         seconds = (result.get("search_seconds", 0.0) + result.get("env_seconds", 0.0)) / steps
-        log.info("an evaluation step alone: %.1f ms (over %d steps)", 1e3 * seconds, result["steps"])
+        log.info("an evaluation step alone: %.1f ms (over %d steps; the probe took %.1f s, first calls included)",
+                 1e3 * seconds, result["steps"], time.perf_counter() - started)
         return seconds
 
     def _publish(self, handles: cluster.Handles, wait: bool = False) -> None:
