@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="play greedy episodes with a checkpoint")
     evaluate.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
     evaluate.add_argument("--episodes", type=int, default=10)
-    evaluate.add_argument("--gif", default=None, help="write one episode as a GIF here")
+    evaluate.add_argument("--gif", default=None, help="write the first episode as a GIF here")
     evaluate.add_argument("--seed", type=int, default=12345)
     evaluate.add_argument("--max-steps", type=int, default=None, help="step cap per episode")
     evaluate.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -130,12 +130,15 @@ def _eval(args: argparse.Namespace) -> int:
     load_model_weights(model, checkpoint)
     network = LocalNetwork(model.to(device), config.replay.discount)
     max_steps = args.max_steps or config.run.eval_max_steps
-    returns = play_episodes(config.env, network, config.search, args.episodes, max_steps, args.seed)
+    returns = []
+    if args.gif:  # the GIF's game is the first of the episodes (an Atari game on a CPU takes minutes)
+        returns.append(record_gif(config.env, network, config.search, args.gif, max_steps, args.seed))
+        print(f"wrote {args.gif} (episode return {returns[0]:.1f})")
+    if args.episodes > len(returns):
+        returns += play_episodes(config.env, network, config.search, args.episodes - len(returns), max_steps,
+                                 args.seed + len(returns))
     print(f"{config.env.id}: {np.mean(returns):.2f} ± {np.std(returns):.2f} over {len(returns)} episodes "
           f"(checkpoint {checkpoint})")
-    if args.gif:
-        episode_return = record_gif(config.env, network, config.search, args.gif, max_steps, args.seed)
-        print(f"wrote {args.gif} (episode return {episode_return:.1f})")
     return 0
 
 
