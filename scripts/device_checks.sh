@@ -7,10 +7,11 @@
 #   source .device/install.sh && bash scripts/device_checks.sh
 #   TESTS=tests/test_learner_gpu.py BENCH=0 ...   (a subset; BENCH=0 skips the bench, TESTS= skips the tests)
 #
-# Then the compile's cost, whole against as regions (scripts/compile_cost.py; COMPILE=0 skips it), and small-batch
-# whole-search latency, eager against the compiled recurrent step (scripts/search_latency.py;
-# LATENCY=0 skips it). Lands in $OUT: gpu_tests.txt, bench_learner_preset.json and .txt, compile_cost.json and .txt,
-# compile_times.txt, search_latency.json and .txt. The 31 tests took more than 250 s on 2026-12-04 (24 had run; the learner's compile-heavy ones come last);
+# Then the eager step's rate in NCHW and NHWC (EAGER=0 skips it), the compile's cost, whole against as regions
+# (scripts/compile_cost.py; COMPILE=0 skips it), and small-batch whole-search latency, eager against the compiled
+# recurrent step (scripts/search_latency.py; LATENCY=0 skips it). Lands in $OUT: gpu_tests.txt, and checks.tgz with
+# the rest (bench_learner_*.json and .txt, compile_cost.json and .txt, compile_times.txt, search_latency.json and
+# .txt). The 31 tests took more than 250 s on 2026-12-04 (24 had run; the learner's compile-heavy ones come last);
 # the inference tests alone 51 s; the bench ~140 s.
 set -u
 out=${OUT:-/tmp/device_checks}
@@ -29,6 +30,18 @@ if [ "${BENCH:-1}" = 1 ]; then
     echo "bench learner --preset atari (rc $?):"
     grep -E "compiled step|learner: warm|samples/s" "$out/bench_learner_preset.txt" | cut -c1-400 | tail -6
 fi
+if [ "${EAGER:-1}" = 1 ]; then
+    # The eager step as a run's first minute trains with it (under the step graph, while the helpers compile), in
+    # NCHW and in NHWC (learner.channels_last): bf16 convolutions ran 1.6x faster through NHWC in the inference
+    # actor, and inductor picks NHWC for its convolutions on its own, which eager does not.
+    for layout in false true; do
+        timeout "${EAGER_TIMEOUT:-150}" python3 -m rayzero.bench.learner --preset atari --short \
+            --json "$out/bench_learner_eager_cl_$layout.json" learner.compile=false "learner.channels_last=$layout" \
+            > "$out/bench_learner_eager_cl_$layout.txt" 2>&1
+        echo "bench learner --preset atari, eager, channels_last=$layout (rc $?):"
+        grep -E "samples/s" "$out/bench_learner_eager_cl_$layout.txt" | cut -c1-400 | tail -3
+    done
+fi
 if [ "${COMPILE:-1}" = 1 ]; then
     # The preset's step compiled whole against as regions (learner.compile_regions), cold each, in inductor's
     # 'default' mode as the colocated learner compiles it: seconds to the first fast update, and ms a step.
@@ -44,3 +57,6 @@ if [ "${LATENCY:-1}" = 1 ]; then
     echo "search latency (rc $?):"
     grep -A8 "^variant" "$out/search_latency.txt" || tail -5 "$out/search_latency.txt"
 fi
+# At most 8 files come back from the device: everything but the tests' log, packed into one.
+(cd "$out" && find . -type f ! -name gpu_tests.txt ! -name checks.tgz | tar czf checks.tgz -T - \
+    && find . -type f ! -name gpu_tests.txt ! -name checks.tgz -delete)
