@@ -37,6 +37,7 @@ VARIANTS = {
     # learner.compile_regions: the root and one unrolled step compiled on their own (the step traced once for all K)
     "regions": (["learner.compile_regions=true"], "regions"),
     "regions_warm": (["learner.compile_regions=true"], "regions"),
+    "nhwc": (["learner.channels_last=true"], "nhwc"),  # the net and its batches NHWC (learner.channels_last)
 }
 
 
