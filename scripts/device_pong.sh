@@ -41,7 +41,8 @@ if [ "${GIF:-0}" = 1 ] && [ -e "/tmp/$name/checkpoints/latest" ]; then
     timeout "${GIF_TIMEOUT:-150}" python3 -m rayzero eval --checkpoint "/tmp/$name" --episodes 1 --device cuda \
         --gif "$out/agent.gif" 2>&1 | grep -v "A.L.E\|Stella" | tail -2
 fi
-# What the log says about the final evaluation's reserve (the step timed alone, when training stopped), the compiled step (the compile check, learner.compile_check_steps), the helper and
-# the eager step's graph (learner.step_graph).
+# What the log says about the final evaluation's reserve (the step timed alone, when training stopped), the
+# compiled step (the compile check, learner.compile_check_steps), the helper and the eager step's graph
+# (learner.step_graph).
 grep -h "evaluation step alone\|training stops\|compiled step\|helpers compiled\|helper process failed\|background compile (\|helpers' cache\|torch.compile\|CUDA graph" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | cut -c1-400 | head -14
 tail -2 "$out/train.log"
