@@ -649,6 +649,78 @@ def test_background_compile_trains_eagerly_then_switches_to_the_compiled_step_wi
         assert torch.equal(a, b)
 
 
+def test_the_early_compiles_batch_has_the_fields_shapes_dtypes_and_layout_of_the_runs_batches():
+    """learner.early_compile's helpers compile on a batch the driver makes from random segments: for the compile
+    cache to serve the learner, each field must match what the learner gets from the `atari` preset's replay
+    (frames stored once and restacked, bootstrap and next observations) through its staging."""
+    from rayzero import config as config_mod
+    from rayzero.envs import env_spec
+    from rayzero.learner import background
+    from rayzero.learner.prefetch import Staging
+
+    cfg = config_mod.load("atari", ["replay.shared_obs=false", "replay.capacity=2000", "replay.min_size=0"])
+    spec = env_spec(cfg.env)
+    channels = spec.observation_shape[0] // cfg.env.frame_stack
+    replay = ReplayBuffer(cfg.replay, seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        frames = rng.integers(0, 256, size=(203, channels, *spec.observation_shape[1:]), dtype=np.uint8)
+        stacked = np.stack([frames[t:t + cfg.env.frame_stack].reshape(spec.observation_shape) for t in range(200)])
+        replay.add(Segment(obs=stacked, actions=rng.integers(0, spec.num_actions, 200),
+                           rewards=np.zeros(200, np.float32),
+                           policies=np.full((200, spec.num_actions), 1 / spec.num_actions, np.float32),
+                           root_values=np.zeros(200, np.float32), num_sampleable=190, terminal=False,
+                           bootstrap_value=0.0))
+    real = Staging(torch.device("cpu")).upload(replay.sample(32)).tensors
+    made = background.synthetic_batch(cfg.replay, spec.observation_shape, spec.observation_dtype, spec.num_actions,
+                                      32)
+    assert {"obs", "bootstrap_obs", "next_obs", "bootstrap_scale"} <= set(real)
+    assert sorted(made) == sorted(real)
+    for name, tensor in real.items():
+        got = made[name]
+        assert (got.shape, got.dtype, got.stride(), got.is_contiguous()) == (
+            tensor.shape, tensor.dtype, tensor.stride(), tensor.is_contiguous()), name
+
+
+def test_a_learner_waits_on_the_helpers_started_with_the_run_and_compiles_at_once_when_they_are_done(caplog):
+    """learner.early_compile: helpers started elsewhere (the driver) on a made-up batch report into a directory;
+    a learner told of it starts no helpers of its own, and when they are done by its first update it compiles
+    from there, with no eager updates; its updates are eager's. Helpers that died without a report leave it
+    compiling in its own process."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from rayzero.learner import background
+
+    model, base, replay = _consistency_learners()
+    cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True)
+    tensors = background.synthetic_batch(replay.cfg, (3, 16, 16), np.dtype(np.uint8), 3, 8)
+    directory = Path(tempfile.mkdtemp(prefix="rayzero_prewarm_test."))
+    helpers = background.prewarm(model, cfg, (3, 16, 16), 3, torch.device("cpu"), tensors, directory)
+    assert sorted(p.stem for p in directory.glob("*.pid")) == ["side", "step"]  # the step, and the side steps
+    for helper in helpers:
+        assert helper.wait(timeout=240) == 0
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    learner = Learner(model, dataclasses.replace(cfg, prewarm_dir=str(directory)), (3, 16, 16), 3, seed=0)
+    assert learner._background_helpers == []  # none of its own
+    caplog.set_level("INFO", logger="rayzero.learner.learner")
+    batch = replay.sample(8)
+    assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
+    assert learner.compile_state.startswith(("pending", "on")), learner.compile_state
+    assert "were done by the first update" in caplog.text
+    # A helper that ended without reporting (killed): the learner compiles the step itself.
+    dead = Path(tempfile.mkdtemp(prefix="rayzero_prewarm_test."))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    (dead / "step.pid").write_text(str(ended.pid))
+    caplog.clear()
+    orphan = Learner(model, dataclasses.replace(cfg, prewarm_dir=str(dead)), (3, 16, 16), 3, seed=0)
+    orphan.step(replay.sample(8))
+    assert orphan.compile_state.startswith(("pending", "on")) and "exit code -1" in caplog.text
+
+
 def test_a_failed_background_compile_leaves_the_learner_compiling_in_its_own_process(monkeypatch, caplog):
     import subprocess
     import sys

@@ -303,6 +303,14 @@ class LearnerConfig:
     once it is done the learner compiles from the warm cache (seconds, not the minutes of a cold compile) and
     goes on compiled. A single learner only (DDP ranks compile in step, as without it). If the helper fails the
     learner compiles in its own process, as without it."""
+    early_compile: bool = False
+    """With background_compile, on a local Ray whose plan puts the learner on a GPU of the driver's machine: the
+    driver starts the helpers as soon as the plan is made, on a batch of the run's fields, shapes and dtypes made
+    by the run's own replay code from random segments (the compile cache keys on those, not on values), so that
+    they may be done by the learner's first update instead of starting at it. The learner then waits on those
+    helpers rather than its own; its log counts the compile cache's hits and misses."""
+    prewarm_dir: str = ""
+    """Set by the driver (learner.early_compile): where the helpers it started report. Not a user setting."""
     compile_check_steps: int = 8
     """The first updates of each compiled mode also run eagerly, from the same state, and the compiled gradient
     norm must be within 25 % of eager's; otherwise the learner logs both and falls back to the next mode (then

@@ -14,9 +14,12 @@ and the learner call it broke is made again. What each fault cost is in summary.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 
 from rayzero import cluster
 from rayzero.config import Config, to_yaml
@@ -175,6 +179,8 @@ class Driver:
         self.acting_versions: dict[int, int] = {}  # self-play actor -> weight version of its last collect
         self.replay_stats_before: dict | None = None  # replay diagnostics at the previous progress row
         self.handles: cluster.Handles | None = None  # the roles, once built
+        self.prewarm: list[Any] = []  # learner.early_compile's helper processes
+        self.prewarm_dir: Path | None = None  # where they report
         self.ledger: TransitionLedger | None = None  # what self-play sent, what replay holds, what was lost
         self.faults: dict[str, int] = {"selfplay_actors_replaced": 0, "inference_actors_replaced": 0,
                                        "learner_calls_broken_by_replay": 0}
@@ -236,7 +242,15 @@ class Driver:
                         resources.get("CPU", 0.0))
         if self.started is None:
             self.start = time.perf_counter()
-        handles = self.handles = cluster.build(config, self.spec, plan, run_dir=str(run_dir))
+        try:
+            handles = self.handles = cluster.build(self._early_compile(how, plan), self.spec, plan,
+                                                   run_dir=str(run_dir))
+            return self._run(handles, checkpoint)
+        finally:
+            self._end_early_compile()
+
+    def _run(self, handles: cluster.Handles, checkpoint: Path | None) -> dict[str, Any]:
+        run_dir = self.run_dir
         if checkpoint is not None:
             ray.get([handles.learner.load.remote(str(checkpoint)), *handles.replay.restore(checkpoint)])
             self.replay_at_start = handles.replay.stats()
@@ -252,6 +266,42 @@ class Driver:
                 self.stop_reason = "interrupted"
                 log.info("interrupted; writing a checkpoint and the summary")
             return self._finish(handles, metrics)
+
+    def _early_compile(self, how: str, plan: cluster.Plan) -> Config:
+        """learner.early_compile: start the background compile's helpers now, on a batch of the run's shapes, if
+        the learner is to compile on a GPU of this machine; returns the config to build the roles from (the
+        learner's section then names where the helpers report)."""
+        config, learner = self.config, self.config.learner
+        if not (learner.early_compile and learner.background_compile and learner.compile is not False
+                and how == "local" and plan.learner.device == "cuda" and plan.learner_group is None):
+            return config
+        from rayzero.cluster.colocated import thread_safe_compile
+        from rayzero.learner import background
+
+        cfg = dataclasses.replace(learner, device="cuda")  # as cluster.build gives it to the learner
+        if plan.colocated:
+            cfg = thread_safe_compile(cfg, say=False)
+        spec = self.spec
+        tensors = background.synthetic_batch(config.replay, spec.observation_shape, spec.observation_dtype,
+                                             spec.num_actions, cfg.batch_size, config.run.seed)
+        self.prewarm_dir = Path(tempfile.mkdtemp(prefix="rayzero_prewarm."))
+        self.prewarm = background.prewarm(config.model, cfg, spec.observation_shape, spec.num_actions,
+                                          torch.device("cuda"), tensors, self.prewarm_dir)
+        log.info("learner.early_compile: %d helper processes compile the learner's step from now, on a batch of "
+                 "the run's shapes", len(self.prewarm))
+        return dataclasses.replace(config, learner=dataclasses.replace(learner, prewarm_dir=str(self.prewarm_dir)))
+
+    def _end_early_compile(self) -> None:
+        """Stop the early compile's helpers if any still runs, and remove their directory."""
+        from rayzero.learner import background
+
+        for helper in self.prewarm:
+            if helper.poll() is None:
+                helper.terminate()
+                helper.wait(timeout=10)
+            background.clean_up(helper)
+        if self.prewarm_dir is not None:
+            shutil.rmtree(self.prewarm_dir, ignore_errors=True)
 
     def _read_checkpoint(self) -> Path:
         self.storage.fetch()

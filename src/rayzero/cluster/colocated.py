@@ -61,15 +61,16 @@ class ColocatedLearner(InferenceServer):
                                           functools.partial(getattr(self.learner, method), *args, **kwargs))
 
 
-def thread_safe_compile(cfg: LearnerConfig) -> LearnerConfig:
+def thread_safe_compile(cfg: LearnerConfig, say: bool = True) -> LearnerConfig:
     """The learner's settings for a thread other than the main one. Inductor's CUDA graphs ('reduce-overhead')
     keep per-thread state that torch before the fix of pytorch/pytorch#123177 (torch 2.11 on the GPU host) sets up
     for the main thread only, so the colocated learner compiles in mode 'default' and replays the whole step as one
     CUDA graph of its own (learner.step_graph, which does not use inductor's). The background helper, a process of
     its own, compiles the same mode, so the cache it fills is the one looked up here."""
     if cfg.compile_mode == "reduce-overhead" and cfg.step_graph:
-        log.info("colocated learner: compiling in mode 'default', the whole step replayed as one CUDA graph "
-                 "(learner.step_graph), not with inductor's CUDA graphs, which need the main thread")
+        if say:
+            log.info("colocated learner: compiling in mode 'default', the whole step replayed as one CUDA graph "
+                     "(learner.step_graph), not with inductor's CUDA graphs, which need the main thread")
         return dataclasses.replace(cfg, compile_mode="default")
     return cfg
 

@@ -28,29 +28,41 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from rayzero.config import LearnerConfig, ModelConfig
+from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
+from rayzero.replay.buffer import ReplayBuffer, Segment
 
 
 PARTS = ("step", "side")
 WAIT_S = 0.1  # how often a waiting helper looks for its batch
 
 
+def parts(cfg: LearnerConfig) -> list[str]:
+    """The PARTS a background compile of this configuration runs: the step, and the side steps when any is
+    compiled (the target network's bootstraps, the consistency targets computed beforehand)."""
+    side = cfg.compile_side_steps and (cfg.target_update_interval > 0 or (
+        cfg.consistency_weight > 0 and cfg.consistency_targets == "separate"))
+    return ["step"] + (["side"] if side else [])
+
+
 def spawn(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...], num_actions: int,
-          device: torch.device, part: str = "step") -> subprocess.Popen:
+          device: torch.device, part: str = "step", report: Path | None = None) -> subprocess.Popen:
     """Start a helper that builds a learner of this configuration and waits for `hand_over`'s batch to compile
-    `part` (one of PARTS) on: the step, with the side steps left eager, or only the side steps."""
+    `part` (one of PARTS) on: the step, with the side steps left eager, or only the side steps. report: a file
+    the helper writes its exit code to when it ends (for a learner in another process than the one starting it)."""
     if part not in PARTS:
         raise ValueError(f"background compile part {part!r}: expected one of {PARTS}")
     work = Path(tempfile.mkdtemp(prefix="rayzero_compile."))
-    helper_cfg = dataclasses.replace(cfg, background_compile=False, compile=True, device=device.type,
-                                     compile_check_steps=0,
+    helper_cfg = dataclasses.replace(cfg, background_compile=False, early_compile=False, prewarm_dir="",
+                                     compile=True, device=device.type, compile_check_steps=0,
                                      compile_side_steps=cfg.compile_side_steps and part == "side",
                                      step_graph=False)  # the helper only fills the cache
     with open(work / "args.pkl", "wb") as f:
         pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape), "part": part,
-                     "num_actions": num_actions, "parent": os.getpid()}, f)
+                     "num_actions": num_actions, "parent": os.getpid(),
+                     "report": None if report is None else str(report)}, f)
     entry = "import sys; from rayzero.learner.learner import compile_in_helper; sys.exit(compile_in_helper(sys.argv[1]))"
     helper = subprocess.Popen([sys.executable, "-c", entry, str(work)])
     helper.work_dir = work  # type: ignore[attr-defined]  # removed by `clean_up` (the helper's own may not run)
@@ -66,6 +78,86 @@ def hand_over(helper: subprocess.Popen, tensors: dict[str, torch.Tensor], stale:
     partial = work / "batch.partial"
     torch.save({"tensors": {k: v.detach().cpu() for k, v in tensors.items()}, "stale": stale}, partial)
     os.replace(partial, work / "batch.pt")  # whole or absent, for the helper that polls for it
+
+
+def write_report(args: dict[str, Any], code: int) -> None:
+    """In the helper, as it ends: its exit code into `spawn`'s report file, if it was given one."""
+    if args.get("report"):
+        partial = Path(args["report"] + ".partial")
+        partial.write_text(str(code))
+        os.replace(partial, args["report"])
+
+
+def prewarm(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...], num_actions: int,
+            device: torch.device, tensors: dict[str, torch.Tensor], directory: Path) -> list[subprocess.Popen]:
+    """learner.early_compile, in the driver: start the helpers of `parts(cfg)` and hand them `tensors` at once.
+    Each writes its pid (now) and exit code (when it ends) into `directory`, which the learner watches
+    (`PrewarmWatch`) instead of starting helpers of its own."""
+    directory.mkdir(parents=True, exist_ok=True)
+    helpers = []
+    for part in parts(cfg):
+        helper = spawn(model_cfg, cfg, obs_shape, num_actions, device, part, report=directory / f"{part}.rc")
+        (directory / f"{part}.pid").write_text(str(helper.pid))
+        hand_over(helper, tensors, 0)
+        helpers.append(helper)
+    return helpers
+
+
+class PrewarmWatch:
+    """In the learner: the helpers `prewarm` started in another process, by their pid and report files."""
+
+    def __init__(self, directory: str):
+        self.directory = Path(directory)
+
+    def codes(self) -> list[int] | None:
+        """The helpers' exit codes once all have ended (-1 for one that ended without a report: killed or
+        crashed), None while any still runs."""
+        codes = []
+        for pid_file in sorted(self.directory.glob("*.pid")):
+            report = pid_file.with_suffix(".rc")
+            if not report.exists() and _alive(int(pid_file.read_text())):
+                return None
+            codes.append(int(report.read_text()) if report.exists() else -1)  # a helper reports before it exits
+        return codes or [-1]  # no helper at all: nothing will fill the cache
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (ended, not yet reaped by the driver) counts as ended
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def synthetic_batch(replay_cfg: ReplayConfig, obs_shape: tuple[int, ...], obs_dtype: np.dtype, num_actions: int,
+                    batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch with the fields, shapes and dtypes the learner gets from a replay of `replay_cfg`, on the host:
+    random segments through the replay's own sampling (observations kept stacked, which is what a frame-stacking
+    replay restacks them to) and the learner's own staging. Values are noise; a compile depends on the rest."""
+    length = max(64, replay_cfg.unroll_steps + replay_cfg.td_steps + 2)
+    cfg = dataclasses.replace(replay_cfg, capacity=4 * length, min_size=0, frame_stack=0, shared_obs=False,
+                              shards=0)
+    replay = ReplayBuffer(cfg, seed=seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        if np.issubdtype(obs_dtype, np.integer):
+            obs = rng.integers(0, 256, size=(length, *obs_shape)).astype(obs_dtype)
+        else:
+            obs = rng.normal(size=(length, *obs_shape)).astype(obs_dtype)
+        replay.add(Segment(obs=obs, actions=rng.integers(0, num_actions, size=length),
+                           rewards=rng.normal(size=length).astype(np.float32),
+                           policies=rng.dirichlet(np.ones(num_actions), size=length).astype(np.float32),
+                           root_values=rng.normal(size=length).astype(np.float32),
+                           num_sampleable=length - 2, terminal=False, bootstrap_value=0.0))
+    from rayzero.learner.prefetch import Staging
+
+    return Staging(torch.device("cpu")).upload(replay.sample(batch_size)).tensors
 
 
 def clean_up(helper: subprocess.Popen) -> None:

@@ -242,7 +242,10 @@ class Learner:
         self._outbox: PriorityOutbox | None = None
         self._calls = 0
         self._published: tuple[int, int, StateDict] | None = None  # (version, steps, weights) of `weights`
-        if self._background:
+        self._prewarm: background.PrewarmWatch | None = None
+        if self._background and cfg.prewarm_dir:
+            self._prewarm = background.PrewarmWatch(cfg.prewarm_dir)  # learner.early_compile: the driver's helpers
+        elif self._background:
             self._spawn_helpers()
 
     def _init_compile(self, use_compile: bool, distributed: bool) -> None:
@@ -345,24 +348,38 @@ class Learner:
                                     for part in parts]
 
     def _background_turn(self, tensors: dict[str, torch.Tensor], stale: int) -> None:
-        """Hand the first batch to the helpers; once all have ended, compile here (from the cache they filled)."""
-        if not self._background_started:
-            for helper in self._background_helpers:
-                background.hand_over(helper, tensors, stale)
+        """Hand the first batch to the helpers; once all have ended, compile here (from the cache they filled).
+        With helpers the driver started (learner.early_compile), wait on those instead: they may be done already."""
+        first = not self._background_started
+        if first:
             self._background_started = time.perf_counter()
-            log.info(f"compiling the learner's step in {len(self._background_helpers)} helper processes; updates "
-                     "run eagerly until they are done")
-            return
-        helpers = self._background_helpers
-        if any(helper.poll() is None for helper in helpers):
-            return
+        if self._prewarm is not None:
+            codes = self._prewarm.codes()
+            if codes is None:
+                if first:
+                    log.info("the helpers started with the run are compiling the learner's step; updates run eagerly "
+                             "until they are done")
+                return
+            done = "were done by the first update" if first else (
+                f"were done {time.perf_counter() - self._background_started:.0f} s after the first update")
+        else:
+            helpers = self._background_helpers
+            if first:
+                for helper in helpers:
+                    background.hand_over(helper, tensors, stale)
+                log.info(f"compiling the learner's step in {len(helpers)} helper processes; updates run eagerly "
+                         "until they are done")
+                return
+            if any(helper.poll() is None for helper in helpers):
+                return
+            for helper in helpers:
+                background.clean_up(helper)
+            codes = [helper.returncode for helper in helpers]
+            done = f"compiled the step in {time.perf_counter() - self._background_started:.0f} s"
         self.background_compile_s = time.perf_counter() - self._background_started
-        for helper in helpers:
-            background.clean_up(helper)
-        failed = [helper.returncode for helper in helpers if helper.returncode != 0]
+        failed = [code for code in codes if code != 0]
         if not failed:
-            log.info(f"the helpers compiled the step in {self.background_compile_s:.0f} s; compiling it here from "
-                     "the warm cache")
+            log.info(f"the helpers {done}; compiling it here from the warm cache")
         else:
             log.warning(f"a helper process failed to compile the step (exit code {failed[0]}); compiling it here")
         self._background = False
@@ -865,6 +882,15 @@ def compile_in_helper(work: str) -> int:
     exit code 0 when it compiled. It prints its time and the compile's longest phases, for the run's log."""
     entered = time.perf_counter()
     args = background.read_args(work)
+    code = 1
+    try:
+        code = _compile_part(args, entered, work)
+        return code
+    finally:
+        background.write_report(args, code)
+
+
+def _compile_part(args: dict[str, Any], entered: float, work: str) -> int:
     learner = Learner(args["model_cfg"], args["cfg"], args["obs_shape"], args["num_actions"])
     import torch._inductor.compile_fx  # noqa: F401  (imported while waiting, not while compiling)
 
