@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import importlib
+import threading
 from typing import Any
 
 import torch
@@ -40,9 +41,11 @@ class ColocatedLearner(InferenceServer):
         priority = HIGHEST_PRIORITY if self.cfg.stream_priority == "low" else 0
         self.learner: Learner = self._learner_thread.submit(self._make_learner, learner_args, priority).result()
         if self.learner.compile_state == "background":
-            # Inductor's modules, imported while replay fills (the learner's first call waits behind this), not
-            # in the stall of the learner's own compile once the helpers are done.
-            self._learner_thread.submit(importlib.import_module, "torch._inductor.compile_fx")
+            # Inductor's modules, imported while replay fills, not in the stall of the learner's own compile once
+            # the helpers are done; in a thread of their own: in the learner's they held back its first call, the
+            # weights the run starts from, and with it self-play's start.
+            threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",),
+                             name="import-inductor", daemon=True).start()
 
     @staticmethod
     def _make_learner(learner_args: tuple, priority: int = 0) -> Learner:
