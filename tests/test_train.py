@@ -1,5 +1,6 @@
 """End to end through the CLI on a real local Ray: learning, resume, Atari smoke."""
 
+import dataclasses
 import json
 import os
 import re
@@ -7,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from rayzero import config as config_lib
 
 pytestmark = pytest.mark.slow
 
@@ -154,3 +158,36 @@ def test_sigterm_ends_the_run_cleanly(tmp_path):
     assert summary["stop_reason"] == "interrupted" and summary["learner_steps"] >= 20
     step = (tmp_path / "checkpoints" / "latest").read_text().strip()
     assert (tmp_path / "checkpoints" / step / "model.safetensors").exists()
+
+
+def test_the_early_compile_starts_with_a_plan_that_puts_the_learner_on_a_local_gpu(tmp_path, monkeypatch):
+    """learner.early_compile: on a local Ray whose plan puts the learner on a GPU (an H200 host's resources here),
+    the driver hands the helpers the learner's settings as the colocated learner will have them ('default' mode)
+    and a batch of the preset's size, and builds the roles with a config that names where they report; on a CPU
+    plan, or a cluster it joined, it starts nothing and builds from its config as it is."""
+    from rayzero import cluster
+    from rayzero.learner import background
+    from rayzero.train import Driver
+
+    started = []
+
+    def recording_prewarm(model_cfg, cfg, obs_shape, num_actions, device, tensors, directory):
+        started.append((cfg, obs_shape, num_actions, device, tensors, directory))
+        return []
+
+    monkeypatch.setattr(background, "prewarm", recording_prewarm)
+    config = config_lib.load("atari", ["learner.early_compile=true"])
+    driver = Driver(config, str(tmp_path / "run"), resume=False)
+    gpu_host = cluster.plan(config, {"CPU": 16.0, "GPU": 1.0, "memory": 9e10})
+    assert driver._early_compile("existing", gpu_host) is config and not started  # a cluster it joined
+    cpu_host = cluster.plan(config, {"CPU": 2.0, "memory": 2e10})
+    assert driver._early_compile("local", cpu_host) is config and not started
+    built = driver._early_compile("local", gpu_host)
+    (cfg, obs_shape, num_actions, device, tensors, directory), = started
+    assert built.learner.prewarm_dir == str(directory) and directory.is_dir()
+    assert dataclasses.replace(built, learner=config.learner) == config  # nothing else changed
+    assert cfg.device == "cuda" and cfg.compile_mode == "default" and device.type == "cuda"
+    assert obs_shape == driver.spec.observation_shape and num_actions == driver.spec.num_actions
+    assert tensors["obs"].shape == (config.learner.batch_size, *obs_shape) and tensors["obs"].dtype == torch.uint8
+    driver._end_early_compile()
+    assert not directory.exists()
