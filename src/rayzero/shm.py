@@ -23,14 +23,20 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "rayzero-"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` (of this machine) still runs; one that ended and waits to be reaped (a zombie) does
+    not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def remove_stale(directory: Path = SHM_DIR) -> int:
@@ -43,7 +49,7 @@ def remove_stale(directory: Path = SHM_DIR) -> int:
             pid = int(path.name[len(PREFIX):].split("-", 1)[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             path.unlink(missing_ok=True)
             removed += 1
     return removed

@@ -33,6 +33,7 @@ import torch
 
 from rayzero.config import LearnerConfig, ModelConfig, ReplayConfig
 from rayzero.replay.buffer import ReplayBuffer, Segment
+from rayzero.shm import pid_alive
 
 
 PARTS = ("step", "side")
@@ -115,24 +116,10 @@ class PrewarmWatch:
         codes = []
         for pid_file in sorted(self.directory.glob("*.pid")):
             report = pid_file.with_suffix(".rc")
-            if not report.exists() and _alive(int(pid_file.read_text())):
+            if not report.exists() and pid_alive(int(pid_file.read_text())):
                 return None
             codes.append(int(report.read_text()) if report.exists() else -1)  # a helper reports before it exits
         return codes or [-1]  # no helper at all: nothing will fill the cache
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (ended, not yet reaped by the driver) counts as ended
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def synthetic_batch(replay_cfg: ReplayConfig, obs_shape: tuple[int, ...], obs_dtype: np.dtype, num_actions: int,

@@ -343,9 +343,8 @@ class Learner:
     def _spawn_helpers(self) -> None:
         """learner.background_compile: start the helpers now, so they are ready to compile at the first batch."""
         model_cfg, obs_shape, num_actions = self._build_args
-        parts = ["step"] + (["side"] if self._bootstrap.wanted or self._consistency_targets.wanted else [])
         self._background_helpers = [background.spawn(model_cfg, self.cfg, obs_shape, num_actions, self.device, part)
-                                    for part in parts]
+                                    for part in background.parts(self.cfg)]
 
     def _background_turn(self, tensors: dict[str, torch.Tensor], stale: int) -> None:
         """Hand the first batch to the helpers; once all have ended, compile here (from the cache they filled).
