@@ -38,6 +38,10 @@ VARIANTS = {
     "regions": (["learner.compile_regions=true"], "regions"),
     "regions_warm": (["learner.compile_regions=true"], "regions"),
     "nhwc": (["learner.channels_last=true"], "nhwc"),  # the net and its batches NHWC (learner.channels_last)
+    # learner.early_compile as the driver runs it: helpers compile on a made batch (background.synthetic_batch),
+    # then a learner compiles on a real one from their cache; the row says how many graphs it found there
+    "early": ([], "early"),
+    "early_regions": (["learner.compile_regions=true"], "early_regions"),
 }
 
 
@@ -52,6 +56,9 @@ def _one(name: str, overrides: list[str], cache_dir: str, steps: int, quick: boo
 
         cfg, obs_shape, actions, replay = preset_replay(overrides, quick)
         batch = replay.sample(cfg.learner.batch_size)
+        if name.startswith("early"):
+            queue.put(_early(name, overrides, cfg, obs_shape, actions, batch, steps))
+            return
         t0 = time.perf_counter()
         learner = Learner(cfg.model, cfg.learner, obs_shape, actions, seed=seed)
         build_s = time.perf_counter() - t0
@@ -74,6 +81,49 @@ def _one(name: str, overrides: list[str], cache_dir: str, steps: int, quick: boo
                    "compile_threads": inductor_config.compile_threads})
     except Exception as error:  # noqa: BLE001 - a row that failed says why; the others still run
         queue.put({"variant": name, "overrides": overrides, "error": f"{type(error).__name__}: {error}"[:300]})
+
+
+def _early(name: str, overrides: list[str], cfg, obs_shape, actions: int, batch, steps: int) -> dict:
+    """learner.early_compile: the driver's helpers on a made batch (timed to their end), then a learner of another
+    seed told of them, whose updates run on a real batch until its compiled step has run."""
+    import dataclasses
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from rayzero.learner import background
+    from rayzero.learner.learner import Learner
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    learner_cfg = dataclasses.replace(cfg.learner, background_compile=True, device=device.type)
+    made = background.synthetic_batch(cfg.replay, obs_shape, np.dtype(np.uint8), actions, learner_cfg.batch_size)
+    directory = Path(tempfile.mkdtemp(prefix="compile_cost_prewarm."))
+    t0 = time.perf_counter()
+    helpers = background.prewarm(cfg.model, learner_cfg, obs_shape, actions, device, made, directory)
+    watch = background.PrewarmWatch(str(directory))
+    while watch.codes() is None:
+        time.sleep(0.5)
+    helpers_s, codes = time.perf_counter() - t0, watch.codes()
+    for helper in helpers:
+        helper.wait()
+        background.clean_up(helper)
+    learner = Learner(cfg.model, dataclasses.replace(learner_cfg, prewarm_dir=str(directory)), obs_shape, actions,
+                      seed=1)
+    t1 = time.perf_counter()
+    updates = 0
+    while learner.compile_cache_use is None and updates < 10:
+        learner.bench_steps(batch, 1, warmup=0)
+        updates += 1
+    compiled_s = time.perf_counter() - t1
+    timed = learner.bench_steps(batch, steps, warmup=5)
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"variant": name, "overrides": overrides, "batch": learner_cfg.batch_size, "helpers_s": round(helpers_s, 1),
+            "helper_codes": codes, "updates_to_compiled": updates, "learner_compile_s": round(compiled_s, 1),
+            "cache_use": learner.compile_cache_use, "build_s": 0.0, "first_steps_s": [round(compiled_s, 1)],
+            "to_first_fast_s": round(helpers_s + compiled_s, 1), "ms_per_step": round(timed["ms_per_step"], 2),
+            "compile": timed["compile"]}
 
 
 def main(argv: list[str] | None = None) -> int:

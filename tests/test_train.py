@@ -164,7 +164,8 @@ def test_the_early_compile_starts_with_a_plan_that_puts_the_learner_on_a_local_g
     """learner.early_compile: on a local Ray whose plan puts the learner on a GPU (an H200 host's resources here),
     the driver hands the helpers the learner's settings as the colocated learner will have them ('default' mode)
     and a batch of the preset's size, and builds the roles with a config that names where they report; on a CPU
-    plan, or a cluster it joined, it starts nothing and builds from its config as it is."""
+    plan, or a cluster it joined, it starts nothing and builds from its config as it is. The `atari` preset asks
+    for it as it is."""
     from rayzero import cluster
     from rayzero.learner import background
     from rayzero.train import Driver
@@ -176,7 +177,7 @@ def test_the_early_compile_starts_with_a_plan_that_puts_the_learner_on_a_local_g
         return []
 
     monkeypatch.setattr(background, "prewarm", recording_prewarm)
-    config = config_lib.load("atari", ["learner.early_compile=true"])
+    config = config_lib.load("atari")
     driver = Driver(config, str(tmp_path / "run"), resume=False)
     gpu_host = cluster.plan(config, {"CPU": 16.0, "GPU": 1.0, "memory": 9e10})
     assert driver._early_compile("existing", gpu_host) is config and not started  # a cluster it joined
