@@ -98,8 +98,9 @@ def test_atari_smoke_train_then_eval(tmp_path):
     assert gif.stat().st_size > 1000
     # The GIF's game is the evaluation's one episode: the mean printed is its return.
     gif_return = float(re.search(r"episode return (-?[\d.]+)", result.stdout).group(1))
-    mean = float(re.search(r"ALE/Pong-v5: (-?[\d.]+) ± 0.00 over 1 episodes", result.stdout).group(1))
+    mean = float(re.search(r"ALE/Pong-v5: (-?[\d.]+) ± 0.00 over 1 episodes, 1 cut at 30 steps", result.stdout).group(1))
     assert mean == gif_return
+    assert f"episode 0: return {gif_return:g} in 30 steps (cut at --max-steps)" in result.stdout
     # scripts/search_probe.py on the same checkpoint: without root noise its two searches of a root are the same.
     probe = tmp_path / "probe.json"
     subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "scripts", "search_probe.py"),

@@ -130,15 +130,21 @@ def _eval(args: argparse.Namespace) -> int:
     load_model_weights(model, checkpoint)
     network = LocalNetwork(model.to(device), config.replay.discount)
     max_steps = args.max_steps or config.run.eval_max_steps
-    returns = []
+    returns: list[float] = []
+    lengths: list[int] = []
+    finished: list[bool] = []
     if args.gif:  # the GIF's game is the first of the episodes (an Atari game on a CPU takes minutes)
-        returns.append(record_gif(config.env, network, config.search, args.gif, max_steps, args.seed))
-        print(f"wrote {args.gif} (episode return {returns[0]:.1f})")
+        total, length, ended = record_gif(config.env, network, config.search, args.gif, max_steps, args.seed)
+        returns.append(total), lengths.append(length), finished.append(ended)
+        print(f"wrote {args.gif} (episode return {total:.1f})")
     if args.episodes > len(returns):
         returns += play_episodes(config.env, network, config.search, args.episodes - len(returns), max_steps,
-                                 args.seed + len(returns))
-    print(f"{config.env.id}: {np.mean(returns):.2f} ± {np.std(returns):.2f} over {len(returns)} episodes "
-          f"(checkpoint {checkpoint})")
+                                 args.seed + len(returns), finished=finished, lengths=lengths)
+    for i, (total, length, ended) in enumerate(zip(returns, lengths, finished)):
+        print(f"episode {i}: return {total:g} in {length:,} steps" + ("" if ended else " (cut at --max-steps)"))
+    cut = finished.count(False)
+    print(f"{config.env.id}: {np.mean(returns):.2f} ± {np.std(returns):.2f} over {len(returns)} episodes"
+          + (f", {cut} cut at {max_steps:,} steps" if cut else "") + f" (checkpoint {checkpoint})")
     return 0
 
 

@@ -156,23 +156,24 @@ class EvalWorker:
 
 
 def record_gif(env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, path: str, max_steps: int,
-               seed: int) -> float:
-    """Play one greedy episode in a rendering env and write its frames as a GIF; returns the episode return."""
+               seed: int) -> tuple[float, int, bool]:
+    """Play one greedy episode in a rendering env and write its frames as a GIF; returns the episode's return,
+    its length in steps, and whether it ended (False: cut at max_steps)."""
     from PIL import Image
 
     env = make_render_env(env_cfg, seed)
     config = greedy(search_cfg)
     obs, _ = env.reset(seed=seed)
     frames = [env.render()]
-    total = 0.0
-    for _ in range(max_steps):
+    total, steps, ended = 0.0, 0, False
+    while steps < max_steps and not ended:
         out = search_observations(network, np.asarray(obs)[None], config)
         obs, reward, terminated, truncated, _ = env.step(int(out.action[0]))
         total += float(reward)
+        steps += 1
+        ended = bool(terminated or truncated)
         frames.append(env.render())
-        if terminated or truncated:
-            break
     env.close()
     images = [Image.fromarray(np.asarray(f)) for f in frames[:: max(1, len(frames) // 500)]]
     images[0].save(path, save_all=True, append_images=images[1:], duration=40, loop=0)
-    return total
+    return total, steps, ended
