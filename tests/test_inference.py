@@ -627,6 +627,35 @@ def test_greedy_searches_join_self_plays_batch_and_still_search_greedily(merge):
     assert (played["visit_counts"].sum(1) == 12).all() and played["action"].shape == (5,)
 
 
+def test_the_evaluation_network_searches_with_the_evaluations_simulations():
+    """run.eval_simulations with inference.pinned_eval: an evaluation's greedy searches (a request that names no
+    simulations, as the channel's) run the evaluation network with the evaluation's simulations, and give what
+    a local greedy search of those simulations gives; another client's greedy search keeps the run's."""
+    from rayzero.actors.network import LocalNetwork
+    from rayzero.tree import SearchConfig, search
+
+    search_cfg = SearchConfig(num_simulations=12, cpu_backend="torch")
+    srv = InferenceServer(MODEL, InferenceConfig(device="cpu", max_batch=16, min_bucket=4, pinned_eval=True),
+                          (4,), 3, search_cfg=search_cfg, discount=0.99, eval_rows=4, eval_simulations=5)
+    _randomize(srv.model)
+    state = {k: v.clone() for k, v in srv.model.state_dict().items()}
+    obs = np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32)
+    greedy = {"temperature": 0.0, "dirichlet_fraction": 0.0, "gumbel_scale": 0.0}
+
+    async def go():
+        assert await srv.set_eval_weights(3, state, "eval")
+        return await asyncio.gather(srv.search("eval-1", obs, **greedy), srv.search("selfplay", obs, **greedy))
+
+    evaluated, other = asyncio.run(go())
+    assert (evaluated["visit_counts"].sum(1) == 5).all() and (other["visit_counts"].sum(1) == 12).all()
+    evaluator = LocalNetwork(srv.model, 0.99)
+    ref = search(evaluator.root(obs), evaluator.recurrent_fn, 5,
+                 dataclasses.replace(search_cfg, num_simulations=5, **greedy))
+    np.testing.assert_array_equal(evaluated["visit_counts"], ref.visit_counts.numpy())
+    with pytest.raises(InferenceError, match="only searches greedily"):
+        asyncio.run(srv.search("eval-1", obs, temperature=1.0))
+
+
 def test_image_server_checks_dtype_and_traces_its_timeline():
     cfg = ModelConfig(kind="resnet", channels=8, reduced_channels=2, head_hidden=8, support_size=5)
     srv = InferenceServer(cfg, InferenceConfig(device="cpu", max_batch=8, min_bucket=2), (3, 16, 16), 4)

@@ -1,5 +1,6 @@
 """The resource plan (cluster/plan.py): every role's count, CPUs, GPUs and device, from the config and the host."""
 
+import dataclasses
 import json
 
 import pytest
@@ -57,6 +58,27 @@ def test_a_second_gpu_goes_to_a_central_inference_actor_with_whole_searches():
     assert plan.learner.gpus == 1.0 and plan.selfplay.count == 12
     assert plan.inference.actor_options() == {"num_cpus": 1.0, "num_gpus": 1.0, "max_concurrency": 1000}
     assert plan.whole_search
+
+
+def test_evaluations_with_their_own_simulations_need_the_evaluation_network_where_searches_run_on_the_gpu():
+    """run.eval_simulations: an evaluation's request through the inference actor names no simulations, so on a
+    GPU host the evaluation network's graphs (inference.pinned_eval) must hold them; on a CPU host the
+    evaluation searches locally, as run.eval_simulations says. 0, or the run's own, asks for nothing more."""
+    gpu_host = {"CPU": 16.0, "GPU": 1.0}
+    with pytest.raises(ConfigError, match=r"run.eval_simulations=16 .*needs inference.pinned_eval=true"):
+        cluster.plan(config_lib.load("atari", ["run.eval_simulations=16", "inference.pinned_eval=false"]), gpu_host)
+    for overrides in (["run.eval_simulations=16", "inference.pinned_eval=true"],
+                      ["run.eval_simulations=0", "inference.pinned_eval=false"],
+                      ["run.eval_simulations=50", "search.num_simulations=50", "inference.pinned_eval=false"]):
+        assert cluster.plan(config_lib.load("atari", overrides), gpu_host).whole_search
+    laptop = config_lib.load("cartpole", ["run.eval_simulations=4"])
+    assert not cluster.plan(laptop, {"CPU": 2.0}).whole_search
+    assert laptop.eval_search.num_simulations == 4 and laptop.search.num_simulations != 4
+    assert laptop.eval_search == dataclasses.replace(laptop.search, num_simulations=4)
+    plain = config_lib.load("cartpole")
+    assert plain.eval_search == plain.search
+    with pytest.raises(ConfigError, match=r"run.eval_simulations=-1 is invalid: must be >= 0"):
+        config_lib.load("cartpole", ["run.eval_simulations=-1"])
 
 
 def test_central_inference_on_the_cpu_does_not_send_whole_searches():

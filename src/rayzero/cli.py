@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-steps", type=int, default=None, help="step cap per episode")
     evaluate.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                           help="where the network and the search run (auto: a GPU when there is one)")
-    evaluate.add_argument("overrides", nargs="*", help="section.field=value (e.g. search.num_simulations=50)")
+    evaluate.add_argument("overrides", nargs="*", help="section.field=value (e.g. run.eval_simulations=50: it "
+                          "searches as the run's evaluations did, with run.eval_simulations, or "
+                          "search.num_simulations where that is 0)")
 
     show = sub.add_parser("config", help="print the resolved config with each field's documentation", description=(
         "Print the config that `rayzero train` would run with: the defaults, then the preset, then the overrides "
@@ -134,11 +136,11 @@ def _eval(args: argparse.Namespace) -> int:
     lengths: list[int] = []
     finished: list[bool] = []
     if args.gif:  # the GIF's game is the first of the episodes (an Atari game on a CPU takes minutes)
-        total, length, ended = record_gif(config.env, network, config.search, args.gif, max_steps, args.seed)
+        total, length, ended = record_gif(config.env, network, config.eval_search, args.gif, max_steps, args.seed)
         returns.append(total), lengths.append(length), finished.append(ended)
         print(f"wrote {args.gif} (episode return {total:.1f})")
     if args.episodes > len(returns):
-        returns += play_episodes(config.env, network, config.search, args.episodes - len(returns), max_steps,
+        returns += play_episodes(config.env, network, config.eval_search, args.episodes - len(returns), max_steps,
                                  args.seed + len(returns), finished=finished, lengths=lengths)
     for i, (total, length, ended) in enumerate(zip(returns, lengths, finished)):
         print(f"episode {i}: return {total:g} in {length:,} steps" + ("" if ended else " (cut at --max-steps)"))

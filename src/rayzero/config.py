@@ -579,6 +579,11 @@ class RunConfig:
     """Greedy episodes per evaluation (and in the final one)."""
     eval_max_steps: int = 27_000
     """Step cap of an evaluation episode."""
+    eval_simulations: int = 0
+    """Simulations of an evaluation's greedy searches (0 = search.num_simulations): an evaluation step's search is
+    bound by its simulations one after another, so fewer make evaluations shorter and leave the GPU to the
+    learner. Where searches run whole on a GPU, a number other than search.num_simulations needs
+    inference.pinned_eval (the evaluation network's graphs, captured at start)."""
     final_eval_seconds: float = 0.0
     """Wall-clock budget of the final evaluation (0 = none), so that a run ends by its time_limit however long its
     agent's games have grown: with a time limit, training stops up to this long before it (at most a quarter of
@@ -623,6 +628,7 @@ class RunConfig:
             ("eval_interval", self.eval_interval > 0, "> 0"),
             ("eval_episodes", self.eval_episodes >= 1, ">= 1"),
             ("eval_max_steps", self.eval_max_steps >= 1, ">= 1"),
+            ("eval_simulations", self.eval_simulations >= 0, ">= 0 (0 = search.num_simulations)"),
             ("final_eval_max_steps", self.final_eval_max_steps >= 0, ">= 0 (0 = eval_max_steps)"),
             ("final_eval_seconds", self.final_eval_seconds >= 0, ">= 0 (0 = no budget)"),
             ("log_interval", self.log_interval > 0, "> 0"),
@@ -641,6 +647,14 @@ class Config:
     inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    @property
+    def eval_search(self) -> SearchConfig:
+        """The search section as evaluations search (run.eval_simulations); greedy settings are applied where
+        they play."""
+        sims = self.run.eval_simulations or self.search.num_simulations
+        return self.search if sims == self.search.num_simulations else dataclasses.replace(self.search,
+                                                                                          num_simulations=sims)
 
     def __post_init__(self) -> None:
         """Rules between sections (each section checks its own fields)."""

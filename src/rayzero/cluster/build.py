@@ -164,7 +164,7 @@ def _inference_args(config: Config, spec: EnvSpec, p: Plan) -> tuple[tuple, dict
     return ((config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
              p.inference.torch_threads(config.cluster.torch_threads)),
             {"obs_dtype": spec.observation_dtype, "search_cfg": config.search, "discount": config.replay.discount,
-             "eval_rows": config.run.eval_episodes})
+             "eval_rows": config.run.eval_episodes, "eval_simulations": config.eval_search.num_simulations})
 
 
 def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:
@@ -204,7 +204,7 @@ def build(config: Config, spec: EnvSpec, p: Plan | None = None, run_dir: str | N
         inference = make_inference(config, spec, p)
     # On a GPU, evaluation searches through the inference actor, as self-play does.
     evaluation = ray.remote(EvalWorker).options(**p.evaluation.actor_options()).remote(
-        config.env, config.model, config.search, config.replay.discount,
+        config.env, config.model, config.eval_search, config.replay.discount,
         p.evaluation.torch_threads(c.torch_threads), server=inference if p.whole_search else None,
     )
     if p.autoscaler_bundles:

@@ -100,11 +100,14 @@ class _Batch:
 class InferenceServer:
     def __init__(self, model_cfg: ModelConfig, cfg: InferenceConfig, obs_shape: tuple[int, ...], num_actions: int,
                  seed: int = 0, torch_threads: int = 1, *, obs_dtype: Any = None,
-                 search_cfg: SearchConfig | None = None, discount: float = 0.997, eval_rows: int = 0):
+                 search_cfg: SearchConfig | None = None, discount: float = 0.997, eval_rows: int = 0,
+                 eval_simulations: int = 0):
         """obs_dtype: of the observations (default uint8 for [C, H, W], float32 otherwise); search_cfg and
         discount: of whole-search requests (the run's `search` section and `replay.discount`); eval_rows: the
         roots of an evaluation's greedy searches (run.eval_episodes), which inference.pinned_eval sizes the
-        evaluation network's graphs by."""
+        evaluation network's graphs by; eval_simulations: those searches' simulations (run.eval_simulations;
+        0 = search_cfg's), on the evaluation network's graphs (a greedy request of any other client searches
+        with search_cfg's)."""
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.cfg = cfg
@@ -130,7 +133,9 @@ class InferenceServer:
             discount, seed).result()
         if self.cache is not None:
             self.gpu.submit(self.runner.enable_cache, cfg.cache_size).result()
-        self.eval_search_cfg = dataclasses.replace(self.search_cfg, **channels.GREEDY_OVERRIDES)
+        self.eval_search_cfg = dataclasses.replace(
+            self.search_cfg, **channels.GREEDY_OVERRIDES,
+            num_simulations=eval_simulations or self.search_cfg.num_simulations)
         self.eval_runner = (self._eval_runner(model_cfg, eval_rows, discount, seed)
                             if cfg.pinned_eval and eval_rows > 0 else None)
         self.eval_version = 0
@@ -233,10 +238,12 @@ class InferenceServer:
                 self.errors += 1
                 raise InferenceError(f"search: {len(obs)} roots for the evaluation network, which takes at most "
                                      f"{self.eval_runner.M} (the server's eval_rows)")
-            if config != self.eval_search_cfg:
+            greedy = dataclasses.replace(self.search_cfg, **channels.GREEDY_OVERRIDES)
+            if config not in (greedy, self.eval_search_cfg):
                 self.errors += 1
                 raise InferenceError(f"search: the evaluation network only searches greedily "
                                      f"({channels.GREEDY_OVERRIDES}); got overrides {overrides}")
+            config = self.eval_search_cfg  # with the evaluation's simulations (a channel request names none)
             return await self._submit(("search", config, "pinned"), client, (obs, mask), len(obs))
         merged = merged_search(config, self.search_cfg) if self.cfg.merge_searches else None
         if merged is not None:  # one batch for every request of the same search shape, each row its settings
