@@ -410,3 +410,33 @@ def test_a_pinned_evaluation_searches_its_weights_on_graphs_captured_at_start():
     assert not np.array_equal(served["root_value"], ours["root_value"])  # the served network is another agent
     assert pinned.stats()["search_graphs"] + len(pinned.eval_runner.searches) == graphs  # nothing captured mid-run
     assert pinned.stats()["errors"] == 0
+
+
+def test_the_evaluations_own_simulations_run_on_the_evaluation_networks_graphs_captured_at_start():
+    """run.eval_simulations on CUDA (inference.pinned_eval): an evaluation's greedy searches take the evaluation's
+    simulations on graphs captured with the actor (none later), and answer as an actor whose searches take those
+    simulations; self-play's greedy searches keep the run's simulations."""
+    config = SearchConfig(num_simulations=12)
+    cfg = InferenceConfig(device="cuda", max_batch=128, min_bucket=8, max_wait_us=2000, search_max_batch=32,
+                          latent_pool_size=4096, bf16=False, merge_searches=True, pinned_eval=True)
+    srv = InferenceServer(SMALL, cfg, OBS, A, seed=0, search_cfg=config, discount=0.99, eval_rows=10,
+                          eval_simulations=5)
+    _randomize(srv.model, seed=3)
+    weights = {k: v.cpu().clone() for k, v in srv.model.state_dict().items()}
+    graphs = srv.stats()["search_graphs"] + len(srv.eval_runner.searches)
+    obs = _obs(10, seed=6)
+    greedy = {"temperature": 0.0, "dirichlet_fraction": 0.0, "gumbel_scale": 0.0}
+
+    reference = _server(bf16=False, search_cfg=SearchConfig(num_simulations=5))
+    reference.model.load_state_dict(srv.model.state_dict())
+
+    async def go():
+        assert await srv.set_eval_weights(2, weights, "eval-1")
+        return (await srv.search("eval-1-search0", obs, **greedy), await srv.search("selfplay-0", obs, **greedy),
+                await reference.search("eval-1-search0", obs, **greedy))
+
+    ours, served, expected = asyncio.run(go())
+    assert (ours["visit_counts"].sum(1) == 5).all() and (served["visit_counts"].sum(1) == 12).all()
+    np.testing.assert_array_equal(ours["visit_counts"], expected["visit_counts"])
+    assert srv.stats()["search_graphs"] + len(srv.eval_runner.searches) == graphs  # nothing captured mid-run
+    assert srv.stats()["errors"] == 0
