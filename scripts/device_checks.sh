@@ -52,10 +52,13 @@ if [ "${COMPILE:-1}" = 1 ]; then
     grep -A4 "^variant" "$out/compile_cost.txt" || tail -5 "$out/compile_cost.txt"
 fi
 if [ "${LATENCY:-1}" = 1 ]; then
+    # The preset's 50 simulations eager and with the compiled recurrent step, and an evaluation's 16
+    # (run.eval_simulations).
     timeout "${LATENCY_TIMEOUT:-240}" python3 scripts/search_latency.py --rows 1,10,32 --requests 200 \
-        --json "$out/search_latency.json" > "$out/search_latency.txt" 2>&1
+        --variants "plain;compile_recurrent=true;simulations=16" --json "$out/search_latency.json" \
+        > "$out/search_latency.txt" 2>&1
     echo "search latency (rc $?):"
-    grep -A8 "^variant" "$out/search_latency.txt" || tail -5 "$out/search_latency.txt"
+    grep -A10 "^variant" "$out/search_latency.txt" || tail -5 "$out/search_latency.txt"
 fi
 # At most 8 files come back from the device: everything but the tests' log, packed into one.
 (cd "$out" && find . -type f ! -name gpu_tests.txt ! -name checks.tgz | tar czf checks.tgz -T - \

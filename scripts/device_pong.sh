@@ -39,7 +39,7 @@ python3 scripts/lab_row.py "/tmp/$name" --dmon "$out/dmon.txt" --at "60,120,180,
 # GIF=1: one greedy game of the final checkpoint as $out/agent.gif (a run that ended cleanly has one).
 if [ "${GIF:-0}" = 1 ] && [ -e "/tmp/$name/checkpoints/latest" ]; then
     timeout "${GIF_TIMEOUT:-150}" python3 -m rayzero eval --checkpoint "/tmp/$name" --episodes 1 --device cuda \
-        --gif "$out/agent.gif" 2>&1 | grep -v "A.L.E\|Stella" | tail -2
+        --gif "$out/agent.gif" 2>&1 | grep -v "A.L.E\|Stella" | tail -3
 fi
 # What the log says about the final evaluation's reserve (the step timed alone, when training stopped), the
 # compiled step (the compile check, learner.compile_check_steps), the helper and the eager step's graph

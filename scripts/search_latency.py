@@ -5,7 +5,7 @@ device, and times `search` requests one after another (p50 and p99 of the round 
 It prints a table and writes JSON with machine, versions and date.
 
     python3 scripts/search_latency.py [--preset atari] [--rows 1,10,32] [--requests 200] [--json PATH] \
-        [--variants "plain;compile_recurrent=true"]
+        [--variants "plain;compile_recurrent=true;simulations=16"]
 """
 from __future__ import annotations
 
@@ -24,25 +24,31 @@ from rayzero.envs import env_spec
 from rayzero.inference import InferenceServer
 
 
-def variant_config(base: InferenceConfig, spec: str) -> InferenceConfig:
-    """`plain`, or `field=value[,field=value]` over the preset's inference section."""
+def variant_config(base: InferenceConfig, spec: str) -> tuple[InferenceConfig, int]:
+    """`plain`, or `field=value[,field=value]` over the preset's inference section; `simulations=N` sets the
+    searches' simulations (0 in the result: the preset's), as run.eval_simulations does for an evaluation."""
     if spec == "plain":
-        return base
+        return base, 0
     fields = {f.name: f for f in dataclasses.fields(InferenceConfig)}
-    changes = {}
+    changes, simulations = {}, 0
     for item in spec.split(","):
         name, _, value = item.partition("=")
+        if name == "simulations":
+            simulations = int(value)
+            continue
         if name not in fields:
             raise SystemExit(f"variant {spec!r}: inference has no field {name!r}; valid: {', '.join(fields)}")
         kind = type(getattr(base, name))
         changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    return dataclasses.replace(base, **changes)
+    return dataclasses.replace(base, **changes), simulations
 
 
-def time_variant(config: config_lib.Config, inference: InferenceConfig, rows: list[int], requests: int) -> dict:
+def time_variant(config: config_lib.Config, inference: InferenceConfig, rows: list[int], requests: int,
+                 simulations: int = 0) -> dict:
     spec = env_spec(config.env)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    search_cfg = dataclasses.replace(config.search, dirichlet_fraction=0.0, temperature=0.0)  # greedy: evaluation
+    search_cfg = dataclasses.replace(config.search, dirichlet_fraction=0.0, temperature=0.0,  # greedy: evaluation
+                                     num_simulations=simulations or config.search.num_simulations)
     started = time.perf_counter()
     srv = InferenceServer(config.model, dataclasses.replace(inference, device=device, max_batch=max(64, 2 * max(rows))),
                           spec.observation_shape, spec.num_actions, seed=0, search_cfg=search_cfg,
@@ -76,7 +82,8 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     results = {}
     for spec in args.variants.split(";"):
-        results[spec] = time_variant(config, variant_config(config.inference, spec), rows, args.requests)
+        inference, simulations = variant_config(config.inference, spec)
+        results[spec] = time_variant(config, inference, rows, args.requests, simulations)
         print(f"{spec}: ready in {results[spec]['ready_s']:.1f} s", flush=True)
     print(f"{'variant':32s} {'rows':>5s} {'p50 ms':>8s} {'p99 ms':>8s} {'device ms':>10s}")
     for spec, result in results.items():
