@@ -418,7 +418,7 @@ def test_the_evaluations_own_simulations_run_on_the_evaluation_networks_graphs_c
     simulations; self-play's greedy searches keep the run's simulations."""
     config = SearchConfig(num_simulations=12)
     cfg = InferenceConfig(device="cuda", max_batch=128, min_bucket=8, max_wait_us=2000, search_max_batch=32,
-                          latent_pool_size=4096, bf16=False, merge_searches=True, pinned_eval=True)
+                          latent_pool_size=4096, bf16=True, merge_searches=True, pinned_eval=True)  # the preset's
     srv = InferenceServer(SMALL, cfg, OBS, A, seed=0, search_cfg=config, discount=0.99, eval_rows=10,
                           eval_simulations=5)
     _randomize(srv.model, seed=3)
@@ -427,7 +427,7 @@ def test_the_evaluations_own_simulations_run_on_the_evaluation_networks_graphs_c
     obs = _obs(10, seed=6)
     greedy = {"temperature": 0.0, "dirichlet_fraction": 0.0, "gumbel_scale": 0.0}
 
-    reference = _server(bf16=False, search_cfg=SearchConfig(num_simulations=5))
+    reference = _server(bf16=True, search_cfg=SearchConfig(num_simulations=5))
     reference.model.load_state_dict(srv.model.state_dict())
 
     async def go():
