@@ -652,9 +652,7 @@ class Config:
     def eval_search(self) -> SearchConfig:
         """The search section as evaluations search (run.eval_simulations); greedy settings are applied where
         they play."""
-        sims = self.run.eval_simulations or self.search.num_simulations
-        return self.search if sims == self.search.num_simulations else dataclasses.replace(self.search,
-                                                                                          num_simulations=sims)
+        return dataclasses.replace(self.search, num_simulations=self.run.eval_simulations or self.search.num_simulations)
 
     def __post_init__(self) -> None:
         """Rules between sections (each section checks its own fields)."""

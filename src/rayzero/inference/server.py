@@ -133,9 +133,9 @@ class InferenceServer:
             discount, seed).result()
         if self.cache is not None:
             self.gpu.submit(self.runner.enable_cache, cfg.cache_size).result()
-        self.eval_search_cfg = dataclasses.replace(
-            self.search_cfg, **channels.GREEDY_OVERRIDES,
-            num_simulations=eval_simulations or self.search_cfg.num_simulations)
+        self._greedy_cfg = dataclasses.replace(self.search_cfg, **channels.GREEDY_OVERRIDES)
+        self.eval_search_cfg = dataclasses.replace(self._greedy_cfg,
+                                                   num_simulations=eval_simulations or self.search_cfg.num_simulations)
         self.eval_runner = (self._eval_runner(model_cfg, eval_rows, discount, seed)
                             if cfg.pinned_eval and eval_rows > 0 else None)
         self.eval_version = 0
@@ -238,8 +238,7 @@ class InferenceServer:
                 self.errors += 1
                 raise InferenceError(f"search: {len(obs)} roots for the evaluation network, which takes at most "
                                      f"{self.eval_runner.M} (the server's eval_rows)")
-            greedy = dataclasses.replace(self.search_cfg, **channels.GREEDY_OVERRIDES)
-            if config not in (greedy, self.eval_search_cfg):
+            if config not in (self._greedy_cfg, self.eval_search_cfg):
                 self.errors += 1
                 raise InferenceError(f"search: the evaluation network only searches greedily "
                                      f"({channels.GREEDY_OVERRIDES}); got overrides {overrides}")
