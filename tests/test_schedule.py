@@ -179,8 +179,9 @@ def test_training_stops_before_the_time_limit_for_the_final_evaluation():
 
 def test_the_final_evaluations_reserve_follows_the_last_evaluations_games_at_the_step_time_alone():
     """Training stops the final evaluation's expected length before the limit: 1.1 x the step time measured
-    alone x 1.5 the last evaluation's longest game (at most the final evaluation's step cap, all of it when that
-    game was cut at the evaluations' cap), at most rules.final_reserve, and all of that while either is unknown."""
+    alone x 1.5 the last evaluation's longest game (a game cut at the evaluations' cap counts at the cap; at most
+    the final evaluation's step cap), at most rules.final_reserve, and all of that while either is unknown or a
+    game was cut with no final cap."""
     rules = Rules(**{**RULES.__dict__, "time_limit": 540.0, "final_reserve": 120.0, "final_max_steps": 27_000,
                      "eval_interval": 30.0, "eval_max_steps": 4000})
     schedule = Schedule(rules, start=0.0)
@@ -193,12 +194,14 @@ def test_the_final_evaluations_reserve_follows_the_last_evaluations_games_at_the
     assert schedule.stop_reason(Counters(), now=487.3) == "time_limit"
     schedule.evaluated(400.0, steps=3000)  # Pong-like, under the evaluations' cap: 1.1 x 0.016 x 4,500 = 79.2 s
     assert schedule.reserve == pytest.approx(79.2)
-    schedule.evaluated(450.0, steps=4000)  # a game cut at the evaluations' cap: its length unknown, the most
+    schedule.evaluated(450.0, steps=4000)  # a game cut at the evaluations' cap: 1.1 x 0.016 x 6,000 = 105.6 s
+    assert schedule.reserve == pytest.approx(105.6)
+    schedule.alone_step_seconds = 0.03  # 1.1 x 0.03 x 6,000 = 198 s: at most the final reserve
     assert schedule.reserve == 120.0
-    capped = Schedule(Rules(**{**rules.__dict__, "final_max_steps": 4000}), start=0.0)
+    capped = Schedule(Rules(**{**rules.__dict__, "final_max_steps": 5000}), start=0.0)
     capped.alone_step_seconds = 0.016
-    capped.evaluated(300.0, steps=4000)  # cut, but the final one's cap is the same: 1.1 x 0.016 x 4,000
-    assert capped.reserve == pytest.approx(70.4)
+    capped.evaluated(300.0, steps=4000)  # cut, and the final one's cap is lower than 6,000: 1.1 x 0.016 x 5,000
+    assert capped.reserve == pytest.approx(88.0)
     uncapped = Schedule(Rules(**{**rules.__dict__, "final_max_steps": 0}), start=0.0)
     uncapped.alone_step_seconds = 0.016
     uncapped.evaluated(300.0, steps=4000)
