@@ -42,6 +42,10 @@ VARIANTS = {
     # then a learner compiles on a real one from their cache; the row says how many graphs it found there
     "early": ([], "early"),
     "early_regions": (["learner.compile_regions=true"], "early_regions"),
+    # the early compile's parts (background.parts) with the regions, each helper alone and cold, one after
+    # another: what each part costs without the others beside it (on a host with a core for each helper, the
+    # early compile takes about the longest of them)
+    "parts_alone": (["learner.compile_regions=true"], "parts_alone"),
 }
 
 
@@ -58,6 +62,9 @@ def _one(name: str, overrides: list[str], cache_dir: str, steps: int, quick: boo
         batch = replay.sample(cfg.learner.batch_size)
         if name.startswith("early"):
             queue.put(_early(name, overrides, cfg, obs_shape, actions, batch, steps))
+            return
+        if name == "parts_alone":
+            queue.put(_parts_alone(name, overrides, cfg, obs_shape, actions, cache_dir))
             return
         t0 = time.perf_counter()
         learner = Learner(cfg.model, cfg.learner, obs_shape, actions, seed=seed)
@@ -124,6 +131,36 @@ def _early(name: str, overrides: list[str], cfg, obs_shape, actions: int, batch,
             "cache_use": learner.compile_cache_use, "build_s": 0.0, "first_steps_s": [round(compiled_s, 1)],
             "to_first_fast_s": round(helpers_s + compiled_s, 1), "ms_per_step": round(timed["ms_per_step"], 2),
             "compile": timed["compile"]}
+
+
+def _parts_alone(name: str, overrides: list[str], cfg, obs_shape, actions: int, cache_dir: str) -> dict:
+    """Each part of the early compile in a helper of its own, alone and with a cold cache of its own: seconds
+    from its start (Python, torch and its learner coming up included) to its end."""
+    import dataclasses
+    import shutil
+
+    import numpy as np
+    import torch
+
+    from rayzero.learner import background
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    learner_cfg = dataclasses.replace(cfg.learner, background_compile=True, device=device.type)
+    made = background.synthetic_batch(cfg.replay, obs_shape, np.dtype(np.uint8), actions, learner_cfg.batch_size)
+    seconds, codes = {}, {}
+    for part in background.parts(learner_cfg, cfg.model):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, part)  # inherited by the helper: cold
+        t0 = time.perf_counter()
+        helper = background.spawn(cfg.model, learner_cfg, obs_shape, actions, device, part)
+        background.hand_over(helper, made, 0)
+        codes[part] = helper.wait()
+        seconds[part] = round(time.perf_counter() - t0, 1)
+        background.clean_up(helper)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    longest = max(seconds.values())
+    return {"variant": name, "overrides": overrides, "batch": learner_cfg.batch_size, "part_seconds": seconds,
+            "helper_codes": codes, "sum_s": round(sum(seconds.values()), 1), "longest_s": longest, "build_s": 0.0,
+            "first_steps_s": [longest], "to_first_fast_s": longest, "ms_per_step": float("nan"), "compile": "-"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -641,8 +641,8 @@ def test_background_compile_trains_eagerly_then_switches_to_the_compiled_step_wi
     states = _train_until_compiled(reference, learner, replay)
     assert states[0] == "background" and states[-1] == "on:reduce-overhead", states
     assert learner.background_compile_s is not None
-    # One helper compiled the step, another the side steps (target network, consistency targets), at once.
-    assert [helper.returncode for helper in learner._background_helpers] == [0, 0]
+    # One helper compiled the step, one each side step (target network, consistency targets), all at once.
+    assert [helper.returncode for helper in learner._background_helpers] == [0, 0, 0]
     assert learner._bootstrap.compiled is not None and learner._consistency_targets.compiled is not None
     # The weights the two learners reached are the same.
     for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
@@ -699,7 +699,8 @@ def test_a_learner_waits_on_the_helpers_started_with_the_run_and_compiles_at_onc
     tensors = background.synthetic_batch(replay.cfg, (3, 16, 16), np.dtype(np.uint8), 3, 8)
     directory = Path(tempfile.mkdtemp(prefix="rayzero_prewarm_test."))
     helpers = background.prewarm(model, cfg, (3, 16, 16), 3, torch.device("cpu"), tensors, directory)
-    assert sorted(p.stem for p in directory.glob("*.pid")) == ["side", "step"]  # the step, and the side steps
+    # The step, and each side step (target network, consistency targets), each in a helper of its own.
+    assert sorted(p.stem for p in directory.glob("*.pid")) == ["bootstrap", "consistency", "step"]
     for helper in helpers:
         assert helper.wait(timeout=240) == 0
     reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
@@ -738,7 +739,7 @@ def test_a_failed_background_compile_leaves_the_learner_compiling_in_its_own_pro
 def test_closing_the_learner_stops_its_background_compile_and_removes_the_batch_copy():
     _, learner, replay = _background_learner()
     helpers = learner._background_helpers  # started with the learner, waiting for the first batch
-    assert len(helpers) == 2 and all(helper.poll() is None for helper in helpers)
+    assert len(helpers) == 3 and all(helper.poll() is None for helper in helpers)
     learner.step(replay.sample(8))  # the first batch reaches them
     assert all(helper.poll() is None for helper in helpers)  # compiling (each removes its batch copy once read;
     learner.close()                                         # a killed one cannot)
@@ -758,7 +759,8 @@ def test_the_background_helper_gets_a_valid_device_from_an_indexed_one():
 
     from rayzero.learner import background
 
-    for part, side_steps in (("step", False), ("side", True)):
+    for part, side_steps in (("step", False), ("root", False), ("unroll", False), ("bootstrap", True),
+                             ("consistency", True)):
         helper = background.spawn(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cuda", 0), part)
         try:
             with open(helper.work_dir / "args.pkl", "rb") as f:
@@ -772,6 +774,73 @@ def test_the_background_helper_gets_a_valid_device_from_an_indexed_one():
             background.clean_up(helper)
     with pytest.raises(ValueError, match="'both'.*expected one of"):
         background.spawn(ModelConfig(), LearnerConfig(), (3, 16, 16), 3, torch.device("cpu"), "both")
+
+
+def test_the_background_compile_splits_the_step_into_parts_that_compile_at_once():
+    """A helper per part: the loss whole or, with compile_regions, its root and its unrolled step apart (not for a
+    value-prefix model, whose loss is compiled whole), and each side step that is compiled."""
+    from rayzero.learner import background
+
+    model, base, _ = _consistency_learners()
+    cfg = LearnerConfig(**base)
+    assert background.parts(cfg, model) == ["step", "bootstrap", "consistency"]
+    regions = dataclasses.replace(cfg, compile_regions=True)
+    assert background.parts(regions, model) == ["root", "unroll", "bootstrap", "consistency"]
+    assert background.parts(regions, dataclasses.replace(model, value_prefix=True))[0] == "step"
+    assert background.parts(dataclasses.replace(regions, consistency_targets="step"), model) == [
+        "root", "unroll", "bootstrap"]
+    assert background.parts(dataclasses.replace(regions, compile_side_steps=False), model) == ["root", "unroll"]
+    assert background.parts(dataclasses.replace(cfg, target_update_interval=0, consistency_weight=0.0), model) == [
+        "step"]
+
+
+@pytest.mark.parametrize("targets", ["separate", "step"])
+def test_each_background_compile_helper_compiles_only_its_part_and_runs_the_rest_eagerly(monkeypatch, targets):
+    """What a helper of each part sends through torch.compile on its batch: together the parts compile everything
+    the learner's own compile does, and no part compiles what another does (it would only cost time)."""
+    from rayzero.learner import background
+    from rayzero.learner.learner import narrow_to_part, run_part
+
+    called: list[str] = []
+
+    def recording_compile(fn, **kwargs):  # runs fn as it is, recording each call through the compiled form
+        name = getattr(fn, "__name__", type(fn).__name__)
+
+        def compiled(*args):
+            called.append(name)
+            return fn(*args)
+        return compiled
+
+    model, base, replay = _consistency_learners()
+    cfg = LearnerConfig(**base, compile_regions=True, consistency_targets=targets)
+    tensors = background.synthetic_batch(replay.cfg, (3, 16, 16), np.dtype(np.uint8), 3, 8)
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    seen = {}
+    for part in background.parts(cfg, model):
+        learner = Learner(model, background.helper_config(cfg, torch.device("cpu"), part), (3, 16, 16), 3, seed=0)
+        called.clear()
+        run_part(learner, narrow_to_part(learner, part), dict(tensors), 0)
+        seen[part] = set(called)
+    root = {"root_terms"} | ({"consistency_targets"} if targets == "step" else set())
+    expected = {"root": root, "unroll": {"step_terms"}, "bootstrap": {"bootstrap_values"}}
+    if targets == "separate":
+        expected["consistency"] = {"consistency_targets"}
+    assert seen == expected
+    # The learner's own compile (from the cache they filled) goes through all of them.
+    learner = Learner(model, dataclasses.replace(cfg, compile=True), (3, 16, 16), 3, seed=0)
+    called.clear()
+    learner.step(replay.sample(8))
+    assert set(called) == set().union(*expected.values())
+    monkeypatch.undo()
+    # Each part compiles and runs its updates, forward and backward (aot_eager: autograd traced as inductor gets
+    # it; an eager root's backward before compiled steps that update the same batch-norm statistics would fail).
+    traced = dataclasses.replace(cfg, compile_backend="aot_eager")
+    for part in expected:
+        learner = Learner(model, background.helper_config(traced, torch.device("cpu"), part), (3, 16, 16), 3, seed=0)
+        sides = narrow_to_part(learner, part)
+        run_part(learner, sides, dict(tensors), 0)
+        assert all(side.compiled is not None for side in sides)
+        assert sides or learner.compile_state.startswith(("pending", "on"))
 
 
 def test_unknown_compile_backend_is_refused_with_the_valid_ones():
@@ -1267,5 +1336,8 @@ def test_a_recurrent_steps_scalars_decode_its_own_logits(kind, obs_shape, extra)
     else:  # a root's prefix is 0: the first step's reward is its prefix
         torch.testing.assert_close(out.reward, support_to_scalar(out.reward_logits, 20), rtol=1e-5, atol=1e-5)
     assert out.value.abs().max() > 1e-3 and out.reward.abs().max() > 1e-3
-    torch.testing.assert_close(one.value, out.value[2:3], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(one.reward, out.reward[2:3], rtol=1e-5, atol=1e-5)
+    # A row alone against the same row in the batch: float32 kernels for batch 1 and 5 may sum in another order,
+    # and the decode's inverse squash amplifies that (6.7e-5 relative on one 2-core CPU); rows that mixed would
+    # differ by far more.
+    torch.testing.assert_close(one.value, out.value[2:3], rtol=5e-4, atol=1e-5)
+    torch.testing.assert_close(one.reward, out.reward[2:3], rtol=5e-4, atol=1e-5)

@@ -7,11 +7,13 @@ takes seconds (scripts/compile_cost.py measures both). The helper is a plain sub
 multiprocessing child, so that it does not re-import a Ray worker's main module; it exits if its parent does.
 The helper (`compile_in_helper` in learner.py) compiles with the learner's own configuration on the same device,
 so its cache entries are the ones the learner looks up (the weights are inputs of the compiled graph: their values
-do not enter the cache key). Two helpers run at once, one per PART: the step itself ("step", its forward and
-backward) and the no-grad side steps that make its inputs ("side": the target network's bootstraps, the
-consistency targets). Compiling is mostly one Python thread per process, so the two halves overlap. The helpers
-start with the learner (`spawn`): Python, torch, CUDA and their own learner are up by the time the first batch
-reaches them (`hand_over`), and they compile from there.
+do not enter the cache key). One helper runs per PART, all at once: compiling is mostly one Python thread per
+process, so the parts overlap and the cache is warm after the longest of them, not their sum. The step is one part
+("step": its forward and backward), or with `learner.compile_regions` two ("root": the unroll's root and the
+consistency targets; "unroll": one unrolled step); each no-grad side step that makes the step's inputs is one
+("bootstrap": the target network's; "consistency": the consistency targets). The helpers start with the learner
+(`spawn`): Python, torch, CUDA and their own learner are up by the time the first batch reaches them
+(`hand_over`), and they compile from there.
 """
 
 from __future__ import annotations
@@ -36,30 +38,34 @@ from rayzero.replay.buffer import ReplayBuffer, Segment
 from rayzero.shm import pid_alive
 
 
-PARTS = ("step", "side")
+# A part of the loss's compile: the loss's regions its helper compiles (`CompiledRegions`; None: the whole loss).
+LOSS_PARTS: dict[str, tuple[str, ...] | None] = {"step": None, "root": ("root", "targets"), "unroll": ("step",)}
+SIDE_PARTS = ("bootstrap", "consistency")  # the side steps, one part each
+PARTS = (*LOSS_PARTS, *SIDE_PARTS)
 WAIT_S = 0.1  # how often a waiting helper looks for its batch
 
 
-def parts(cfg: LearnerConfig) -> list[str]:
-    """The PARTS a background compile of this configuration runs: the step, and the side steps when any is
+def parts(cfg: LearnerConfig, model_cfg: ModelConfig) -> list[str]:
+    """The PARTS a background compile of this configuration runs: the step whole, or its regions with
+    learner.compile_regions (as the learner compiles it: not for a value-prefix model), and each side step that is
     compiled (the target network's bootstraps, the consistency targets computed beforehand)."""
-    side = cfg.compile_side_steps and (cfg.target_update_interval > 0 or (
-        cfg.consistency_weight > 0 and cfg.consistency_targets == "separate"))
-    return ["step"] + (["side"] if side else [])
+    loss = ["root", "unroll"] if cfg.compile_regions and not model_cfg.value_prefix else ["step"]
+    side = []
+    if cfg.compile_side_steps and cfg.target_update_interval > 0:
+        side.append("bootstrap")
+    if cfg.compile_side_steps and cfg.consistency_weight > 0 and cfg.consistency_targets == "separate":
+        side.append("consistency")
+    return loss + side
 
 
 def spawn(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...], num_actions: int,
           device: torch.device, part: str = "step", report: Path | None = None) -> subprocess.Popen:
     """Start a helper that builds a learner of this configuration and waits for `hand_over`'s batch to compile
-    `part` (one of PARTS) on: the step, with the side steps left eager, or only the side steps. report: a file
-    the helper writes its exit code to when it ends (for a learner in another process than the one starting it)."""
-    if part not in PARTS:
-        raise ValueError(f"background compile part {part!r}: expected one of {PARTS}")
+    `part` (one of PARTS) on: the step or some of its regions, with the side steps left eager, or one side step.
+    report: a file the helper writes its exit code to when it ends (for a learner in another process than the
+    one starting it)."""
+    helper_cfg = helper_config(cfg, device, part)
     work = Path(tempfile.mkdtemp(prefix="rayzero_compile."))
-    helper_cfg = dataclasses.replace(cfg, background_compile=False, early_compile=False, prewarm_dir="",
-                                     compile=True, device=device.type, compile_check_steps=0,
-                                     compile_side_steps=cfg.compile_side_steps and part == "side",
-                                     step_graph=False)  # the helper only fills the cache
     with open(work / "args.pkl", "wb") as f:
         pickle.dump({"model_cfg": model_cfg, "cfg": helper_cfg, "obs_shape": tuple(obs_shape), "part": part,
                      "num_actions": num_actions, "parent": os.getpid(),
@@ -68,6 +74,16 @@ def spawn(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ...]
     helper = subprocess.Popen([sys.executable, "-c", entry, str(work)])
     helper.work_dir = work  # type: ignore[attr-defined]  # removed by `clean_up` (the helper's own may not run)
     return helper
+
+
+def helper_config(cfg: LearnerConfig, device: torch.device, part: str) -> LearnerConfig:
+    """The learner configuration of `part`'s helper: it compiles at once, with no background compile, compile
+    check or step graph of its own (it only fills the cache), and the side steps only in their parts."""
+    if part not in PARTS:
+        raise ValueError(f"background compile part {part!r}: expected one of {PARTS}")
+    return dataclasses.replace(cfg, background_compile=False, early_compile=False, prewarm_dir="", compile=True,
+                               device=device.type, compile_check_steps=0,
+                               compile_side_steps=cfg.compile_side_steps and part in SIDE_PARTS, step_graph=False)
 
 
 def hand_over(helper: subprocess.Popen, tensors: dict[str, torch.Tensor], stale: int) -> None:
@@ -96,7 +112,7 @@ def prewarm(model_cfg: ModelConfig, cfg: LearnerConfig, obs_shape: tuple[int, ..
     (`PrewarmWatch`) instead of starting helpers of its own."""
     directory.mkdir(parents=True, exist_ok=True)
     helpers = []
-    for part in parts(cfg):
+    for part in parts(cfg, model_cfg):
         helper = spawn(model_cfg, cfg, obs_shape, num_actions, device, part, report=directory / f"{part}.rc")
         (directory / f"{part}.pid").write_text(str(helper.pid))
         hand_over(helper, tensors, 0)

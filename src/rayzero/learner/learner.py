@@ -322,10 +322,7 @@ class Learner:
         mode = self._modes.pop(0)
         if getattr(self, "_step_graph", None) is not None:
             self._step_graph.drop()  # the compiled step takes over from the eager one's graph
-        if self.cfg.compile_backend == "inductor":
-            compile = functools.partial(torch.compile, dynamic=False, mode=mode)
-        else:  # modes are inductor's
-            compile = functools.partial(torch.compile, dynamic=False, backend=self.cfg.compile_backend)
+        compile = self._compiler(mode)
         if self.cfg.compile_regions and not self.model.value_prefix:
             self._switch.use(CompiledRegions(self.loss_module, compile))
         else:
@@ -338,13 +335,19 @@ class Learner:
         self._check_steps = self.cfg.compile_check_steps if self._check_enabled else 0
         self.compile_state = f"pending:{mode}"
 
+    def _compiler(self, mode: str) -> Any:
+        """torch.compile as the learner compiles its step in `mode`."""
+        if self.cfg.compile_backend == "inductor":
+            return functools.partial(torch.compile, dynamic=False, mode=mode)
+        return functools.partial(torch.compile, dynamic=False, backend=self.cfg.compile_backend)  # modes: inductor's
+
     # -- background compile ----------------------------------------------------------------------------
 
     def _spawn_helpers(self) -> None:
         """learner.background_compile: start the helpers now, so they are ready to compile at the first batch."""
         model_cfg, obs_shape, num_actions = self._build_args
         self._background_helpers = [background.spawn(model_cfg, self.cfg, obs_shape, num_actions, self.device, part)
-                                    for part in background.parts(self.cfg)]
+                                    for part in background.parts(self.cfg, model_cfg)]
 
     def _background_turn(self, tensors: dict[str, torch.Tensor], stale: int) -> None:
         """Hand the first batch to the helpers; once all have ended, compile here (from the cache they filled).
@@ -877,8 +880,9 @@ def _compile_cache_counts() -> dict[str, int]:
 
 def compile_in_helper(work: str) -> int:
     """A background compile's helper process (learner/background.py starts it): a learner of the same
-    configuration compiles its part on the first batch (the step, or the side steps that make its inputs);
-    exit code 0 when it compiled. It prints its time and the compile's longest phases, for the run's log."""
+    configuration compiles its part on the first batch (the step or some of its regions, or one side step that
+    makes its inputs); exit code 0 when it compiled. It prints its time and the compile's longest phases, for the
+    run's log."""
     entered = time.perf_counter()
     args = background.read_args(work)
     code = 1
@@ -889,31 +893,65 @@ def compile_in_helper(work: str) -> int:
         background.write_report(args, code)
 
 
+def narrow_to_part(learner: Learner, part: str) -> list[_SideStep]:
+    """Leave eager what `part` does not compile (another helper compiles it); returns the side steps it does."""
+    sides = {"bootstrap": learner._bootstrap, "consistency": learner._consistency_targets}
+    if part in background.SIDE_PARTS:
+        for name, side in sides.items():
+            if name != part:
+                side.compiled = None
+        return [sides[part]]
+    regions = background.LOSS_PARTS[part]
+    if regions is not None and isinstance(learner._switch.compiled, CompiledRegions):
+        mode = learner.compile_state.split(":", 1)[1]
+        narrowed = CompiledRegions(learner.loss_module, learner._compiler(mode), only=regions)
+        if "root" not in regions:
+            narrowed.root = _root_without_autograd(learner.loss_module.root_terms)
+        learner._switch.use(narrowed)
+    return []
+
+
+def _root_without_autograd(root_terms: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The unroll's root, eager and outside autograd, its latent made a leaf that requires grad, as the compiled
+    steps after it get theirs: for a helper that compiles the steps alone. With autograd, the eager root's backward
+    fails: eager batch norm keeps its running statistics for the backward, and the compiled steps' in-place update
+    of the same (shared prediction head's) statistics changes them under it."""
+    def root(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            latent, *rest = root_terms(*args)
+        return (latent.requires_grad_(), *rest)
+    return root
+
+
+def run_part(learner: Learner, sides: list[_SideStep], tensors: dict[str, torch.Tensor], stale: int) -> None:
+    """A helper's updates on its batch, which compile its part: the side steps alone for a side part (SIDES from
+    `narrow_to_part`), else whole updates (the step's regions that the part leaves eager run eagerly)."""
+    for _ in range(HELPER_UPDATES):
+        if sides:
+            learner._step_inputs(tensors)
+        else:
+            learner._update(tensors, stale)
+
+
 def _compile_part(args: dict[str, Any], entered: float, work: str) -> int:
     learner = Learner(args["model_cfg"], args["cfg"], args["obs_shape"], args["num_actions"])
+    part = args.get("part", "step")
+    sides = narrow_to_part(learner, part)
     import torch._inductor.compile_fx  # noqa: F401  (imported while waiting, not while compiling)
 
     ready = time.perf_counter()
     batch, stale = background.wait_for_batch(work)
     started = time.perf_counter()
-    tensors = {k: v.to(learner.device) for k, v in batch.items()}
-    part = args.get("part", "step")
-    for _ in range(HELPER_UPDATES):
-        if part == "side":
-            learner._step_inputs(tensors)
-        else:
-            learner._update(tensors, stale)
+    run_part(learner, sides, {k: v.to(learner.device) for k, v in batch.items()}, stale)
     if learner.device.type == "cuda":
         torch.cuda.synchronize()
     print(f"rayzero background compile ({part}): up in {ready - entered:.0f} s, waited {started - ready:.0f} s for "
           f"the batch, compiled in {time.perf_counter() - started:.0f} s; {_compile_phases()}", file=sys.stderr)
-    if part == "side":
-        broken = [side.what for side in (learner._bootstrap, learner._consistency_targets)
-                  if side.wanted and side.compiled is None]
-        if broken:
-            print(f"rayzero background compile: {', '.join(broken)} did not compile", file=sys.stderr)
-            return 1
-    elif not learner.compile_state.startswith(("pending", "on")):
+    broken = [side.what for side in sides if side.wanted and side.compiled is None]
+    if broken:
+        print(f"rayzero background compile: {', '.join(broken)} did not compile", file=sys.stderr)
+        return 1
+    if not sides and not learner.compile_state.startswith(("pending", "on")):
         print(f"rayzero background compile: the step did not compile ({learner.compile_state})", file=sys.stderr)
         return 1
     return 0

@@ -215,13 +215,20 @@ class CompiledRegions:
     (`learner.compile_regions`): the K unrolled steps share one traced graph instead of K copies of it in one
     whole-loss graph, so compiling takes a fraction of the time; the loss's few glue ops between them stay eager.
     Under the learner's step graph (one CUDA graph for the whole update) the extra graph boundaries add no
-    launches. `compile` is torch.compile with the learner's mode, or any callable of the same shape."""
+    launches. `compile` is torch.compile with the learner's mode, or any callable of the same shape. only: the
+    REGIONS to compile (the others run eagerly), for the background compile's helpers, which compile one region
+    each in parallel into the cache that the learner's compile of all of them then reads."""
 
-    def __init__(self, loss: MuZeroLoss, compile):
+    REGIONS = ("root", "step", "targets")
+
+    def __init__(self, loss: MuZeroLoss, compile, only: tuple[str, ...] | None = None):
+        unknown = sorted(set(only or ()) - set(self.REGIONS))
+        if unknown:
+            raise ValueError(f"compile regions {unknown}: expected some of {self.REGIONS}")
         self.loss = loss
-        self.root = compile(loss.root_terms)
-        self.step = compile(loss.step_terms)
-        self.targets = compile(loss.consistency_targets)
+        eager = {"root": loss.root_terms, "step": loss.step_terms, "targets": loss.consistency_targets}
+        for name, fn in eager.items():
+            setattr(self, name, compile(fn) if only is None or name in only else fn)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.loss(batch, regions=self)
