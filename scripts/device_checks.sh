@@ -8,7 +8,8 @@
 #   TESTS=tests/test_learner_gpu.py BENCH=0 ...   (a subset; BENCH=0 skips the bench, TESTS= skips the tests)
 #
 # Then the eager step's rate in NCHW and NHWC (EAGER=0 skips it), the compile's cost, whole against as regions
-# (scripts/compile_cost.py; COMPILE=0 skips it), and small-batch whole-search latency, eager against the compiled
+# (scripts/compile_cost.py; COMPILE=0 skips it; COMPILE_VARIANTS=parts_alone,early times the early compile's
+# parts alone and then all at once, as a run starts them), and small-batch whole-search latency, eager against the compiled
 # recurrent step (scripts/search_latency.py; LATENCY=0 skips it). Lands in $OUT: gpu_tests.txt, and checks.tgz with
 # the rest (bench_learner_*.json and .txt, compile_cost.json and .txt, compile_times.txt, search_latency.json and
 # .txt). The 31 tests took more than 250 s on 2026-12-04 (24 had run; the learner's compile-heavy ones come last);
