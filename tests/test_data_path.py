@@ -88,6 +88,44 @@ def test_self_play_stores_the_episodes_rewards_policies_and_search_values():
     assert np.bincount(starts, minlength=T).tolist() == [2 * 3] * T
 
 
+class Signs(gymnasium.Env):
+    """Episodes of len(REWARDS) steps paying REWARDS in turn, whatever the actions."""
+
+    REWARDS = (1.0, -1.0, 0.0, 2.0, -3.0, 0.0)
+    observation_space = gymnasium.spaces.Box(0.0, 1.0, (len(REWARDS),), np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.eye(len(self.REWARDS), dtype=np.float32)[0], {}
+
+    def step(self, action):
+        reward = self.REWARDS[self.t]
+        self.t += 1
+        done = self.t == len(self.REWARDS)
+        return np.eye(len(self.REWARDS), dtype=np.float32)[self.t % len(self.REWARDS)], reward, done, False, {}
+
+
+SIGNS_ID = "RayzeroSigns-v0"
+if SIGNS_ID not in gymnasium.envs.registry:
+    gymnasium.register(SIGNS_ID, entry_point=Signs)
+
+
+def test_a_collect_counts_the_rewards_its_steps_paid_while_no_episode_has_ended():
+    """Each collect reports its env steps' rewards (sum, > 0, < 0), which show how self-play goes in games whose
+    episodes outlast a run (Pong at 64 envs): here 3 envs, two collects of 4 and then 8 steps."""
+    cfg = ReplayConfig(capacity=1000, unroll_steps=1, td_steps=1, discount=GAMMA, segment_length=4, min_size=0)
+    worker = SelfPlayWorker(EnvConfig(id=SIGNS_ID, num_envs=3), MODEL, SearchConfig(num_simulations=4), cfg, seed=0)
+    first = worker.collect(4)  # steps 0-3 of each env's first episode: 1, -1, 0, 2
+    assert first["episode_returns"] == []
+    assert (first["reward_sum"], first["rewards_positive"], first["rewards_negative"]) == (3 * 2.0, 3 * 2, 3 * 1)
+    second = worker.collect(8)  # steps 4-5 (-3, 0), then a whole episode (1, -1, 0, 2, -3, 0)
+    assert second["episode_returns"] == [-1.0] * 6
+    assert (second["reward_sum"], second["rewards_positive"], second["rewards_negative"]) == (
+        3 * (-3.0 - 1.0), 3 * 2, 3 * 3)
+
+
 def test_envs_that_start_together_send_their_first_segments_staggered():
     """Env i of E cuts its first segment after (i + 1) / E of segment_length sampleable positions, so the
     envs' segments do not all reach replay on the same step; every later cut holds segment_length."""

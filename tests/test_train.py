@@ -129,6 +129,11 @@ def test_a_time_limited_run_ends_by_its_limit_with_its_final_evaluation(tmp_path
     assert final["version"] == summary["weights_version"]  # it played the final weights
     assert final["wall_seconds"] <= limit + budget / 2, final
     assert final["wall_seconds"] - final["eval_seconds"] >= limit - budget - 1, final  # it started at the reserve
+    # Self-play's rewards per progress row: CartPole pays 1 a step, so 1,000 per 1,000 steps, none below 0.
+    played = [row for row in rows if "selfplay_reward_per_1k_steps" in row]
+    assert played and all(row["selfplay_reward_per_1k_steps"] == 1000.0 for row in played), played[:3]
+    assert all(row["selfplay_positive_reward_share"] == 1.0 for row in played)
+    assert re.search(r"rewards \+[1-9][0-9]*/-0 \(", log), log[-3000:]
 
 
 def test_sigterm_ends_the_run_cleanly(tmp_path):

@@ -13,6 +13,7 @@ and the learner call it broke is made again. What each fault cost is in summary.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -45,6 +46,8 @@ __all__ = ["Driver", "check_fresh", "check_resumable", "train"]
 log = logger(__name__)
 MAX_RESTARTS_IN_A_ROW = 5
 """Failures in a row of an evaluation or reanalyse actor (each restarted by Ray) before the run stops."""
+REWARD_ROWS = 12
+"""Progress rows over which the log line counts self-play's rewards > 0 and < 0 (a minute at the default 5 s)."""
 ALONE_PROBE_STEPS, ALONE_PROBE_SECONDS = 20, 5.0
 """Evaluation steps timed at the start, alone on the GPU (Driver._alone_step_seconds), and the most seconds
 they may take (a CPU network's search is slow)."""
@@ -157,6 +160,10 @@ class Driver:
         self.last_eval: dict[str, Any] | None = None
         self.best_eval = -math.inf
         self.train_returns: list[float] = []
+        # Self-play's training rewards per progress row: (sum, > 0, < 0, env steps) since the last row, and the
+        # last rows' counts for the log line (games whose episodes outlast the run finish none).
+        self.selfplay_rewards = np.zeros(4)
+        self.recent_rewards: collections.deque[tuple[int, int]] = collections.deque(maxlen=REWARD_ROWS)
         self.last_metrics: dict[str, float] = {}
         self.stop_reason = ""
         self.interrupt_requested = False  # set by Ctrl-C or SIGTERM
@@ -557,6 +564,8 @@ class Driver:
         self.counters.replay_transitions += result["transitions_sent"]
         self.counters.episodes += len(result["episode_returns"])
         self.train_returns.extend(result["episode_returns"])
+        self.selfplay_rewards += (result.get("reward_sum", 0.0), result.get("rewards_positive", 0),
+                                  result.get("rewards_negative", 0), result["env_steps"])
 
     def _add_learn(self, result: dict[str, Any]) -> None:
         if result["learner_steps"] < self.counters.learner_steps:
@@ -671,6 +680,13 @@ class Driver:
         }
         if recent:
             row["train_return_mean"] = float(np.mean(recent))
+        reward_sum, positive, negative, steps = self.selfplay_rewards
+        self.selfplay_rewards = np.zeros(4)
+        self.recent_rewards.append((int(positive), int(negative)))
+        if steps:
+            row["selfplay_reward_per_1k_steps"] = 1e3 * float(reward_sum) / float(steps)
+            if positive + negative:
+                row["selfplay_positive_reward_share"] = float(positive / (positive + negative))
         acting = [self.acting_versions[i] for i in self.active if i in self.acting_versions]
         if acting:  # how many published versions behind the learner self-play acts
             row["selfplay_version_lag"] = float(self.learner_version - np.mean(acting))
@@ -684,9 +700,11 @@ class Driver:
         metrics.write(row)
         last = f"{self.last_eval['mean']:.1f}" if self.last_eval else "-"
         train = f"{row.get('train_return_mean', float('nan')):.1f}"
+        won, lost = (sum(counts) for counts in zip(*self.recent_rewards))
+        span = len(self.recent_rewards) * self.config.run.log_interval
         log.info(f"[{elapsed:6.0f}s] env steps {counters.env_steps:>9,d} ({row['env_steps_per_second']:.0f}/s)  "
                  f"learner steps {counters.learner_steps:>7,d} ({row['learner_steps_per_second']:.1f}/s)  "
-                 f"train return {train}  eval {last}")
+                 f"train return {train}  rewards +{won}/-{lost} ({span:.0f} s)  eval {last}")
 
     def _finish(self, handles: cluster.Handles, metrics: MetricsLog) -> dict[str, Any]:
         """The final evaluation (unless the last one played the final weights), checkpoint and summary.json."""

@@ -93,6 +93,9 @@ class SelfPlayWorker:
         self.emit_at = self.tail + np.maximum(1, (np.arange(1, E + 1) * replay_cfg.segment_length) // E)
         self.env_steps = 0
         self.discarded = 0  # positions dropped unsent: their episode's bootstrap value was lost with the network
+        # The training rewards of the steps of the collect in progress: their sum, and how many were > 0 and < 0.
+        # Games whose episodes outlast a run's minutes (Pong at 64 envs) finish none; these show how play goes.
+        self._rewards = np.zeros(3, dtype=np.float64)
         self._network_lost = ""  # set by a step whose bootstrap evaluation found the inference actor dead
         self.last_deliveries: list[tuple[int, bool]] = []  # the last collect's segments: (positions, reached replay)
 
@@ -202,6 +205,7 @@ class SelfPlayWorker:
         self.buf_value[rows, t] = root_value
         result = half.env.step(actions)
         self.buf_reward[rows, t] = result.reward
+        self._rewards += (float(result.reward.sum()), int((result.reward > 0).sum()), int((result.reward < 0).sum()))
         self.length[rows] += 1
         self.env_steps += len(rows)
         half.obs = result.obs
@@ -257,6 +261,7 @@ class SelfPlayWorker:
         pending: list[tuple[int, Any]] = []  # (positions, what the sink returned) per segment sent
         step_seconds: list[float] = []
         inference_lost = ""
+        self._rewards[:] = 0.0
         for _ in range(num_steps):
             began = time.perf_counter()
             try:
@@ -284,6 +289,10 @@ class SelfPlayWorker:
             "transitions_discarded": self.discarded,  # since the worker started
             "episode_returns": returns,
             "episode_lengths": lengths,
+            # the training rewards (clipped where env.clip_rewards) of every env step above: sum, > 0, < 0
+            "reward_sum": float(self._rewards[0]),
+            "rewards_positive": int(self._rewards[1]),
+            "rewards_negative": int(self._rewards[2]),
             "version": self.version,
             "seconds": time.perf_counter() - start,
             "step_seconds": step_seconds,  # each batched step: the time every env waited for its next action
