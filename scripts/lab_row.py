@@ -2,8 +2,8 @@
 
     python3 scripts/lab_row.py RUN_DIR_OR_METRICS_JSONL [--at 120,300,420] [--dmon dmon.txt]
 
-Prints: when the first update landed, updates and env steps by each time, the self-play return and the greedy
-evaluations, the first learner rows' gradient norm and consistency loss, the learner's rate over the last 200 s
+Prints: when the first update landed, updates and env steps by each time, the self-play return (and the share of
+its rewards above 0 over the minute before: Pong's points won) and the greedy evaluations, the first learner rows' gradient norm and consistency loss, the learner's rate over the last 200 s
 (and the share of it spent inside its calls), the diagnostics averaged over the last 5 learner rows, and the mean
 GPU utilisation from an `nvidia-smi dmon -s u` log.
 """
@@ -35,8 +35,12 @@ def main() -> None:
             continue
         last = before[-1]
         train = [r["train_return_mean"] for r in before if r.get("train_return_mean") is not None]
+        # self-play's rewards over the minute before t: the share of those not 0 above 0 (Pong: points won)
+        shares = [r["selfplay_positive_reward_share"] for r in before
+                  if r["wall_seconds"] > t - 60 and r.get("selfplay_positive_reward_share") is not None]
         print(f"  by {t:4.0f} s: updates {last.get('learner_steps', 0):7,d}  env steps {last.get('env_steps', 0):9,d}"
               f"  train return {train[-1] if train else float('nan'):6.1f}"
+              + (f"  rewards > 0 (last minute) {sum(shares) / len(shares):.0%}" if shares else "")
               + (f"  through the step graph {last['graph_updates']:,d}" if last.get("graph_updates") else ""))
     for r in rows:
         if r.get("eval_return_mean") is not None:
