@@ -841,6 +841,18 @@ def test_each_background_compile_helper_compiles_only_its_part_and_runs_the_rest
         run_part(learner, sides, dict(tensors), 0)
         assert all(side.compiled is not None for side in sides)
         assert sides or learner.compile_state.startswith(("pending", "on"))
+    # The unrolled step's helper runs the root outside autograd: the latent its compiled steps get must look as the
+    # learner's does (what the compile's guards and cache key read), or the learner would miss the cache.
+    from rayzero.learner.learner import _root_without_autograd
+
+    loss = Learner(model, cfg, (3, 16, 16), 3, seed=0).loss_module
+    batch = dict(tensors)
+    args = (batch["obs"], batch["target_policies"][:, 0], batch["target_values"][:, 0], batch["policy_mask"][:, 0],
+            batch["value_mask"][:, 0])
+    with_grad, without = loss.root_terms(*args)[0], _root_without_autograd(loss.root_terms)(*args)[0]
+    assert [(t.shape, t.stride(), t.dtype, t.requires_grad) for t in (with_grad, without)] == [
+        (with_grad.shape, with_grad.stride(), with_grad.dtype, True)] * 2
+    torch.testing.assert_close(without, with_grad.detach())
 
 
 def test_unknown_compile_backend_is_refused_with_the_valid_ones():
