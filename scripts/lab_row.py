@@ -42,9 +42,12 @@ def main() -> None:
               f"  train return {train[-1] if train else float('nan'):6.1f}"
               + (f"  rewards > 0 (last minute) {sum(shares) / len(shares):.0%}" if shares else "")
               + (f"  through the step graph {last['graph_updates']:,d}" if last.get("graph_updates") else ""))
+    def ended(r: dict) -> float:  # when an evaluation ended (rows before eval_ended_seconds: when it was logged)
+        return r.get("eval_ended_seconds", r["wall_seconds"])
+
     for r in rows:
         if r.get("eval_return_mean") is not None:
-            print(f"  eval at {r['wall_seconds']:4.0f} s: {r['eval_return_mean']:6.1f} +- {r.get('eval_return_std', 0):.1f}"
+            print(f"  eval at {ended(r):4.0f} s: {r['eval_return_mean']:6.1f} +- {r.get('eval_return_std', 0):.1f}"
                   f" ({r.get('eval_episodes')} games, {r.get('eval_seconds', 0):.0f} s, version {r.get('eval_last_version')},"
                   f" updates {r.get('learner_steps')})")
             if r.get("eval_steps") and r.get("eval_search_seconds") is not None:  # ms per step, and where it went
@@ -56,7 +59,7 @@ def main() -> None:
                 print(f"      games (return/steps): {games}; {r.get('eval_unfinished', 0)} cut short")
     evaluated = [r for r in rows if r.get("eval_return_mean") is not None]
     if evaluated:  # the report: the first evaluation at or above each return
-        firsts = {t: next((r["wall_seconds"] for r in evaluated if r["eval_return_mean"] >= t), None)
+        firsts = {t: next((ended(r) for r in evaluated if r["eval_return_mean"] >= t), None)
                   for t in (-10, 0, 10, 18)}
         print("  first eval at or above: " + ", ".join(f"{t:+d} {'-' if w is None else f'{w:.0f} s'}"
                                                        for t, w in firsts.items()))
@@ -74,7 +77,7 @@ def main() -> None:
         if wall > 0 and inside > 0:
             print(f"  learner over the last {wall:.0f} s: {steps / wall:.1f} updates/s, {inside / wall:.0%} of the time "
                   f"in its calls at {steps / inside:.1f} updates/s")
-    evals = [(r["wall_seconds"] - r["eval_seconds"], r["wall_seconds"]) for r in rows if r.get("eval_seconds")]
+    evals = [(ended(r) - r["eval_seconds"], ended(r)) for r in rows if r.get("eval_seconds")]
     stepped = [r for r in rows if "learner_steps" in r and "eval_seconds" not in r]
     if evals and len(stepped) > 2 and first is not None:
         # The learner's rate while an evaluation plays and while none does (both share the GPU with it)

@@ -51,6 +51,9 @@ REWARD_ROWS = 12
 ALONE_PROBE_STEPS, ALONE_PROBE_SECONDS = 20, 5.0
 """Evaluation steps timed at the start, alone on the GPU (Driver._alone_step_seconds), and the most seconds
 they may take (a CPU network's search is slow)."""
+FINAL_EVAL_FLOOR = 5.0
+"""The final evaluation's budget in seconds when stopping training took the run past its time limit: a few
+games' worth of steps, so that the summary still scores the final weights."""
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
 """What a run dir holds once a run has started in it."""
 
@@ -651,8 +654,12 @@ class Driver:
     def _record_eval(self, result: dict[str, Any], metrics: MetricsLog) -> None:
         self.last_eval = result
         self.best_eval = max(self.best_eval, result["mean"])
+        now, wall = time.time(), self.wall()
+        # When it ended on the run's clock: the row is written when the driver collects it, which for the final
+        # evaluation is after the checkpoint's snapshot, and a time-limited run's bar counts its end.
+        ended = {"eval_ended_seconds": wall - max(0.0, now - result["ended"])} if "ended" in result else {}
         metrics.write({
-            "time": time.time(), "wall_seconds": self.wall(), "env_steps": self.counters.env_steps,
+            "time": now, "wall_seconds": wall, **ended, "env_steps": self.counters.env_steps,
             "learner_steps": self.counters.learner_steps, "version": result["version"],
             "eval_return_mean": result["mean"], "eval_return_std": result["std"],
             "eval_episodes": len(result["returns"]), "eval_returns": result["returns"],
@@ -717,11 +724,13 @@ class Driver:
                 len(self.last_eval["returns"]) != run.eval_episodes:
             # It plays while the checkpoint is written (other actors), and is collected before the commit;
             # run.final_eval_seconds bounds it. With a time limit, training stopped up to that long before it
-            # (Schedule.reserve): the evaluation ends by the limit, or half its budget after it if the
-            # in-flight calls took longer than the budget's half to finish.
+            # (Schedule.reserve): the evaluation ends by the limit, games still playing then count with their
+            # score so far. (A floor of half the budget let Pong run 23a's end 19 s past its limit.) Only if
+            # stopping took the run past its limit does it get FINAL_EVAL_FLOOR seconds after it.
             budget = run.final_eval_seconds
             if run.time_limit and budget:
-                budget = min(budget, max(budget / 2, self.start + run.time_limit - time.perf_counter()))
+                left = self.start + run.time_limit - time.perf_counter()
+                budget = min(budget, left if left > 0 else FINAL_EVAL_FLOOR)
             args = (final_weights, run.eval_episodes, run.final_steps, run.seed + 10_000, None, budget)
             playing = handles.evaluation.evaluate.remote(*args)
 

@@ -118,11 +118,12 @@ class EvalWorker:
         `token`: an id that `cancel` can name; a cancelled evaluation returns at once with `cancelled` true
         (and its episodes' returns so far). `seconds` > 0: a wall-clock budget, after which the episodes end
         where they are. `unfinished` counts the episodes that a budget (of steps or seconds) or a cancel cut;
-        `lengths` gives each episode's steps (a greedy agent that stalls shows as games at the step cap)."""
+        `lengths` gives each episode's steps (a greedy agent that stalls shows as games at the step cap);
+        `ended` the wall-clock time (time.time()) it ended at."""
+        start = time.perf_counter()  # the budget counts the weights' pinning too
         version, state_dict = weights
         pinned = self.network.pin(version, state_dict)
         versions: list[int] = []
-        start = time.perf_counter()
 
         def cancelled() -> bool:
             with self._lock:
@@ -138,7 +139,7 @@ class EvalWorker:
                                 stop, timing, finished, lengths)
         result = {"version": versions[0] if versions else version, "returns": returns,
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
-                  "seconds": time.perf_counter() - start, "steps": int(timing.pop("steps", 0)),
+                  "seconds": time.perf_counter() - start, "ended": time.time(), "steps": int(timing.pop("steps", 0)),
                   "cancelled": cancelled(), "unfinished": finished.count(False), "lengths": lengths,
                   "pinned": pinned,
                   **{f"{key}_seconds": value for key, value in timing.items()}}
