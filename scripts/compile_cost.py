@@ -37,6 +37,9 @@ VARIANTS = {
     # learner.compile_regions: the root and one unrolled step compiled on their own (the step traced once for all K)
     "regions": (["learner.compile_regions=true"], "regions"),
     "regions_warm": (["learner.compile_regions=true"], "regions"),
+    # the loss as one graph (the preset before the twenty-first session): its steady step against the regions'
+    "whole": (["learner.compile_regions=false"], "whole"),
+    "whole_warm": (["learner.compile_regions=false"], "whole"),
     "nhwc": (["learner.channels_last=true"], "nhwc"),  # the net and its batches NHWC (learner.channels_last)
     # learner.early_compile as the driver runs it: helpers compile on a made batch (background.synthetic_batch),
     # then a learner compiles on a real one from their cache; the row says how many graphs it found there
