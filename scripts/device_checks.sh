@@ -5,7 +5,8 @@
 # actor as training runs it, compiled in its own process (no background helper: its eager updates would be timed).
 #
 #   source .device/install.sh && bash scripts/device_checks.sh
-#   TESTS=tests/test_learner_gpu.py BENCH=0 ...   (a subset; BENCH=0 skips the bench, TESTS= skips the tests)
+#   TESTS=tests/test_learner_gpu.py BENCH=0 ...   (a subset; BENCH=0 skips the bench, TESTS= skips the tests;
+#   BENCH_VARIANTS="preset whole" benches the preset's learner and then the same with its loss compiled whole)
 #
 # Then the eager step's rate in NCHW and NHWC (EAGER=0 skips it), the compile's cost, whole against as regions
 # (scripts/compile_cost.py; COMPILE=0 skips it; COMPILE_VARIANTS=parts_alone,early times the early compile's
@@ -26,10 +27,21 @@ if [ -n "$tests" ]; then
     grep -E " (FAILED|ERROR)|passed|failed" "$out/gpu_tests.txt" | tail -20
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-    timeout "${BENCH_TIMEOUT:-240}" python3 -m rayzero.bench.learner --preset atari --short \
-        --json "$out/bench_learner_preset.json" learner.background_compile=false > "$out/bench_learner_preset.txt" 2>&1
-    echo "bench learner --preset atari (rc $?):"
-    grep -E "compiled step|learner: warm|samples/s" "$out/bench_learner_preset.txt" | cut -c1-400 | tail -6
+    # BENCH_VARIANTS="preset whole": the preset, then its loss compiled whole (learner.compile_regions=false),
+    # each alone and in its own process: the steady rate of each step, as a run's colocated learner has it.
+    for variant in ${BENCH_VARIANTS:-preset}; do
+        case $variant in
+            whole) extra=learner.compile_regions=false ;;
+            regions) extra=learner.compile_regions=true ;;
+            *) extra= ;;
+        esac
+        # shellcheck disable=SC2086  # $extra: one override or none
+        timeout "${BENCH_TIMEOUT:-240}" python3 -m rayzero.bench.learner --preset atari --short \
+            --json "$out/bench_learner_$variant.json" learner.background_compile=false $extra \
+            > "$out/bench_learner_$variant.txt" 2>&1
+        echo "bench learner --preset atari, $variant (rc $?):"
+        grep -E "compiled step|learner: warm|samples/s" "$out/bench_learner_$variant.txt" | cut -c1-400 | tail -6
+    done
 fi
 if [ "${EAGER:-1}" = 1 ]; then
     # The eager step as a run's first minute trains with it (under the step graph, while the helpers compile), in
@@ -47,7 +59,7 @@ if [ "${COMPILE:-1}" = 1 ]; then
     # The preset's step compiled whole against as regions (learner.compile_regions), cold each, in inductor's
     # 'default' mode as the colocated learner compiles it: seconds to the first fast update, and ms a step.
     timeout "${COMPILE_TIMEOUT:-300}" python3 scripts/compile_cost.py --variants "${COMPILE_VARIANTS:-cold,regions}" \
-        --steps 30 --json "$out/compile_cost.json" --log-dir "$out" learner.compile_mode=default \
+        --steps "${COMPILE_STEPS:-30}" --json "$out/compile_cost.json" --log-dir "$out" learner.compile_mode=default \
         > "$out/compile_cost.txt" 2>&1
     echo "compile cost (rc $?):"
     grep -A4 "^variant" "$out/compile_cost.txt" || tail -5 "$out/compile_cost.txt"
