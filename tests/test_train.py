@@ -127,7 +127,6 @@ def test_a_time_limited_run_ends_by_its_limit_with_its_final_evaluation(tmp_path
     final = [row for row in rows if "eval_return_mean" in row][-1]
     assert final["learner_steps"] == summary["learner_steps"]  # no update after training stopped
     assert final["version"] == summary["weights_version"]  # it played the final weights
-    assert final["eval_ended_seconds"] <= final["wall_seconds"], final
     # It ends by the limit (Ray's calls add a little); before, it could end half its budget (5 s) after it.
     assert final["eval_ended_seconds"] <= limit + 2, (final, re.findall(r"training stops.*", log))
     assert final["eval_ended_seconds"] - final["eval_seconds"] >= limit - budget - 1, final  # it started at the reserve
