@@ -40,6 +40,12 @@ VARIANTS = {
     # the loss as one graph (the preset before the twenty-first session): its steady step against the regions'
     "whole": (["learner.compile_regions=false"], "whole"),
     "whole_warm": (["learner.compile_regions=false"], "whole"),
+    # batch 512 as regions: the whole loss's compiled step at 512 computes wrong gradients on torch 2.11 (ninth and
+    # eleventh sessions), which the compile check catches; the row's 'compile' says whether the regions' pass it
+    "regions_512": (["learner.compile_regions=true", "learner.batch_size=512"], "regions_512"),
+    # the regions without the target network's bootstraps (the stored search values instead): what they cost
+    "regions_no_target": (["learner.compile_regions=true", "learner.target_update_interval=0",
+                           "replay.bootstrap_obs=false"], "regions_no_target"),
     "nhwc": (["learner.channels_last=true"], "nhwc"),  # the net and its batches NHWC (learner.channels_last)
     # learner.early_compile as the driver runs it: helpers compile on a made batch (background.synthetic_batch),
     # then a learner compiles on a real one from their cache; the row says how many graphs it found there
