@@ -649,6 +649,40 @@ def test_background_compile_trains_eagerly_then_switches_to_the_compiled_step_wi
         assert torch.equal(a, b)
 
 
+def test_regions_first_trains_on_the_regions_step_then_moves_to_the_whole_loss_with_the_same_updates(caplog):
+    """learner.regions_first: helpers compile the loss's regions and the whole loss; the learner trains eagerly,
+    then on the regions' compiled step once their helpers are done, then on the whole loss's once its helper is,
+    and every update equals eager's."""
+    from rayzero.learner import background
+    from rayzero.learner.loss import CompiledRegions
+
+    model, base, replay = _consistency_learners()
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True,
+                        regions_first=True)
+    assert background.parts(cfg, model) == ["root", "unroll", "step", "bootstrap", "consistency"]
+    learner = Learner(model, cfg, (3, 16, 16), 3, seed=0)
+    caplog.set_level("INFO", logger="rayzero.learner.learner")
+    kinds, deadline = [], time.monotonic() + 240.0
+    while time.monotonic() < deadline:
+        batch = replay.sample(8)
+        assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
+        compiled = learner._switch.compiled
+        kind = "eager" if compiled is None else "regions" if isinstance(compiled, CompiledRegions) else "whole"
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+        if kind == "whole" and learner.compile_state.startswith("on") and not learner._check_steps:
+            break
+        if learner._background or learner._whole_waiting:
+            time.sleep(0.1)  # the helpers compile meanwhile
+    # The whole loss's helper compiles more than the regions' (a two-step unroll here, so not by much): the learner
+    # may see it done as soon as the regions' step is checked, but never before the regions.
+    assert kinds in (["eager", "regions", "whole"], ["regions", "whole"]), kinds
+    assert "compiling it here from the warm cache" in caplog.text and "the whole loss's helper is done" in caplog.text
+    for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 def test_the_early_compiles_batch_has_the_fields_shapes_dtypes_and_layout_of_the_runs_batches():
     """learner.early_compile's helpers compile on a batch the driver makes from random segments: for the compile
     cache to serve the learner, each field must match what the learner gets from the `atari` preset's replay

@@ -298,6 +298,11 @@ class LearnerConfig:
     and the consistency targets, instead of one graph of the whole K-step unroll; a model with a value prefix
     compiles whole. A smaller graph to compile, at the cost of fusion across the regions' few boundaries (under
     learner.step_graph they add no kernel launches). Measure both with scripts/compile_cost.py."""
+    regions_first: bool = False
+    """With background_compile and the loss compiled whole (compile_regions false): helpers also compile the loss
+    as regions, which compile in about half the time; the learner trains on the regions' step once those are
+    done, and moves to the whole loss's faster step when its helper is (compiled here from the warm cache, and
+    checked against eager as any compiled step). If the whole loss fails there, the regions' step goes on."""
     background_compile: bool = False
     """Fill the compile cache in a helper process, from the first batch, while the first updates run eagerly;
     once it is done the learner compiles from the warm cache (seconds, not the minutes of a cold compile) and

@@ -48,8 +48,10 @@ WAIT_S = 0.1  # how often a waiting helper looks for its batch
 def parts(cfg: LearnerConfig, model_cfg: ModelConfig) -> list[str]:
     """The PARTS a background compile of this configuration runs: the step whole, or its regions with
     learner.compile_regions (as the learner compiles it: not for a value-prefix model), and each side step that is
-    compiled (the target network's bootstraps, the consistency targets computed beforehand)."""
-    loss = ["root", "unroll"] if cfg.compile_regions and not model_cfg.value_prefix else ["step"]
+    compiled (the target network's bootstraps, the consistency targets computed beforehand). With
+    learner.regions_first both: the regions, then the whole loss that the learner moves to."""
+    regions = not model_cfg.value_prefix and (cfg.compile_regions or cfg.regions_first)
+    loss = (["root", "unroll"] if regions else []) + ([] if cfg.compile_regions and regions else ["step"])
     side = []
     if cfg.compile_side_steps and cfg.target_update_interval > 0:
         side.append("bootstrap")
@@ -81,7 +83,9 @@ def helper_config(cfg: LearnerConfig, device: torch.device, part: str) -> Learne
     check or step graph of its own (it only fills the cache), and the side steps only in their parts."""
     if part not in PARTS:
         raise ValueError(f"background compile part {part!r}: expected one of {PARTS}")
+    loss_regions = cfg.compile_regions if part not in LOSS_PARTS else LOSS_PARTS[part] is not None
     return dataclasses.replace(cfg, background_compile=False, early_compile=False, prewarm_dir="", compile=True,
+                               compile_regions=loss_regions, regions_first=False,
                                device=device.type, compile_check_steps=0,
                                compile_side_steps=cfg.compile_side_steps and part in SIDE_PARTS, step_graph=False)
 
@@ -126,16 +130,28 @@ class PrewarmWatch:
     def __init__(self, directory: str):
         self.directory = Path(directory)
 
-    def codes(self) -> list[int] | None:
+    def codes(self, skip: tuple[str, ...] = ()) -> list[int] | None:
         """The helpers' exit codes once all have ended (-1 for one that ended without a report: killed or
-        crashed), None while any still runs."""
+        crashed), None while any still runs. skip: parts not to wait for."""
         codes = []
         for pid_file in sorted(self.directory.glob("*.pid")):
+            if pid_file.stem in skip:
+                continue
             report = pid_file.with_suffix(".rc")
             if not report.exists() and pid_alive(int(pid_file.read_text())):
                 return None
             codes.append(int(report.read_text()) if report.exists() else -1)  # a helper reports before it exits
         return codes or [-1]  # no helper at all: nothing will fill the cache
+
+    def code(self, part: str) -> int | None:
+        """One part's helper's exit code once it has ended (-1: none, or it ended without a report), else None."""
+        pid_file = self.directory / f"{part}.pid"
+        report = pid_file.with_suffix(".rc")
+        if report.exists():
+            return int(report.read_text())
+        if pid_file.exists() and pid_alive(int(pid_file.read_text())):
+            return None
+        return -1
 
 
 def synthetic_batch(replay_cfg: ReplayConfig, obs_shape: tuple[int, ...], obs_dtype: np.dtype, num_actions: int,

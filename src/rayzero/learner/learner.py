@@ -267,11 +267,18 @@ class Learner:
         # With learner.background_compile: eager until the helper process has filled the compile cache.
         self._background = use_compile and cfg.background_compile and not distributed
         self._background_helpers: list[Any] = []  # the helper processes (started with the learner)
+        self._helper_parts: list[str] = []  # the part each of them compiles (background.PARTS)
         self._cache_counts: dict[str, int] | None = None  # the compile cache's counters before compiling here
         self.compile_cache_use: dict[str, int] | None = None  # hits and misses of that compile, once done
         self._graph_cache_counts: dict[str, int] | None = None  # the counters when the compiled step began
         self._background_started = 0.0
         self.background_compile_s: float | None = None  # how long the helper took (None: none ran, or not yet)
+        # The loss as regions (learner.compile_regions), or with learner.regions_first as regions until the whole
+        # loss's helper is done (then `_whole_waiting` turns False and the compile moves to the whole loss).
+        can_split = not self.model.value_prefix
+        self._whole_waiting = self._background and cfg.regions_first and not cfg.compile_regions and can_split
+        self._regions = can_split and (cfg.compile_regions or self._whole_waiting)
+        self._regions_fallback: str | None = None  # the mode the regions compiled in, while the whole loss is tried
         if self._background:
             self.compile_state = "background"
         else:
@@ -312,7 +319,11 @@ class Learner:
         return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def _next_compile_mode(self) -> None:
-        """Compile with the next mode in line (eager when none is left)."""
+        """Compile with the next mode in line (eager when none is left; with learner.regions_first, back to the
+        regions' step when the whole loss's failed)."""
+        if not self._modes and self._regions_fallback is not None:
+            log.warning("the whole loss's compiled step failed; training on its regions' step")
+            self._modes, self._regions, self._regions_fallback = [self._regions_fallback], True, None
         if not self._modes:
             self._switch.use(None)
             self._graphs, self._watch_steps = False, 0
@@ -323,7 +334,7 @@ class Learner:
         if getattr(self, "_step_graph", None) is not None:
             self._step_graph.drop()  # the compiled step takes over from the eager one's graph
         compile = self._compiler(mode)
-        if self.cfg.compile_regions and not self.model.value_prefix:
+        if self._regions:
             self._switch.use(CompiledRegions(self.loss_module, compile))
         else:
             self._switch.use(compile(self.loss_module))
@@ -346,8 +357,9 @@ class Learner:
     def _spawn_helpers(self) -> None:
         """learner.background_compile: start the helpers now, so they are ready to compile at the first batch."""
         model_cfg, obs_shape, num_actions = self._build_args
+        self._helper_parts = background.parts(self.cfg, model_cfg)
         self._background_helpers = [background.spawn(model_cfg, self.cfg, obs_shape, num_actions, self.device, part)
-                                    for part in background.parts(self.cfg, model_cfg)]
+                                    for part in self._helper_parts]
 
     def _background_turn(self, tensors: dict[str, torch.Tensor], stale: int) -> None:
         """Hand the first batch to the helpers; once all have ended, compile here (from the cache they filled).
@@ -355,8 +367,10 @@ class Learner:
         first = not self._background_started
         if first:
             self._background_started = time.perf_counter()
+        # learner.regions_first: the regions' helpers first; the whole loss's ("step") is awaited later.
+        skip = ("step",) if self._whole_waiting else ()
         if self._prewarm is not None:
-            codes = self._prewarm.codes()
+            codes = self._prewarm.codes(skip)
             if codes is None:
                 if first:
                     log.info("the helpers started with the run are compiling the learner's step; updates run eagerly "
@@ -372,6 +386,7 @@ class Learner:
                 log.info(f"compiling the learner's step in {len(helpers)} helper processes; updates run eagerly "
                          "until they are done")
                 return
+            helpers = [helper for part, helper in zip(self._helper_parts, helpers) if part not in skip]
             if any(helper.poll() is None for helper in helpers):
                 return
             for helper in helpers:
@@ -390,6 +405,29 @@ class Learner:
         for side in (self._bootstrap, self._consistency_targets):
             if side.wanted and side.compiled is None:
                 side.start_compiling()
+
+    def _whole_turn(self) -> None:
+        """learner.regions_first, once the regions' step is compiled and checked: when the whole loss's helper is
+        done, compile the whole loss here from the cache it filled (its first updates watched and checked as any
+        compiled step's), the regions' step kept to fall back on."""
+        if self._prewarm is not None:
+            code = self._prewarm.code("step")
+        else:
+            helper = self._background_helpers[self._helper_parts.index("step")]
+            code = helper.poll()
+            if code is not None:
+                background.clean_up(helper)
+        if code is None:
+            return
+        self._whole_waiting = False
+        if code != 0:
+            log.warning(f"the whole loss's helper failed (exit code {code}); training on its regions' step")
+            return
+        mode = self.compile_state.split(":", 1)[1]
+        log.info(f"the whole loss's helper is done (update {self.steps}); compiling it here from the warm cache")
+        self._regions, self._regions_fallback, self._modes = False, mode, [mode]
+        self._cache_counts = _compile_cache_counts()
+        self._next_compile_mode()
 
     def close_background_compile(self) -> None:
         """Stop helper processes still compiling (the learner is going away); training stays eager until the
@@ -420,6 +458,8 @@ class Learner:
         cfg = self.cfg
         if self._background:
             self._background_turn(tensors, stale)
+        elif self._whole_waiting and self.compile_state.startswith("on:") and not self._check_steps:
+            self._whole_turn()
         if self.target is not None:
             if "bootstrap_obs" not in tensors:
                 raise ValueError("learner.target_update_interval > 0 needs batches with bootstrap observations: "
