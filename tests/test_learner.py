@@ -683,6 +683,42 @@ def test_regions_first_trains_on_the_regions_step_then_moves_to_the_whole_loss_w
         assert torch.equal(a, b)
 
 
+def test_regions_first_keeps_the_regions_step_when_the_whole_loss_helper_failed(caplog):
+    """learner.regions_first with helpers started with the run (learner.early_compile): the learner compiles the
+    regions once their helpers are done, without waiting on the whole loss's; when that one reports a failure it
+    says so and goes on with the regions' step, its updates still eager's."""
+    import tempfile
+    from pathlib import Path
+
+    from rayzero.learner import background
+    from rayzero.learner.loss import CompiledRegions
+
+    model, base, replay = _consistency_learners()
+    cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True,
+                        regions_first=True)
+    tensors = background.synthetic_batch(replay.cfg, (3, 16, 16), np.dtype(np.uint8), 3, 8)
+    directory = Path(tempfile.mkdtemp(prefix="rayzero_prewarm_test."))
+    helpers = background.prewarm(model, cfg, (3, 16, 16), 3, torch.device("cpu"), tensors, directory)
+    assert sorted(p.stem for p in directory.glob("*.pid")) == ["bootstrap", "consistency", "root", "step", "unroll"]
+    for helper in helpers:
+        assert helper.wait(timeout=240) == 0
+    (directory / "step.rc").write_text("1")  # what the whole loss's helper reports when its compile failed
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    learner = Learner(model, dataclasses.replace(cfg, prewarm_dir=str(directory)), (3, 16, 16), 3, seed=0)
+    caplog.set_level("INFO", logger="rayzero.learner.learner")
+    for _ in range(30):
+        batch = replay.sample(8)
+        assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
+        if not learner._whole_waiting:
+            break
+    assert "the whole loss's helper failed (exit code 1)" in caplog.text
+    assert isinstance(learner._switch.compiled, CompiledRegions) and learner.compile_state.startswith("on")
+    for _ in range(3):  # and it goes on there
+        batch = replay.sample(8)
+        assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
+    assert isinstance(learner._switch.compiled, CompiledRegions)
+
+
 def test_the_early_compiles_batch_has_the_fields_shapes_dtypes_and_layout_of_the_runs_batches():
     """learner.early_compile's helpers compile on a batch the driver makes from random segments: for the compile
     cache to serve the learner, each field must match what the learner gets from the `atari` preset's replay
