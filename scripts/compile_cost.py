@@ -7,7 +7,10 @@ Each variant runs in a fresh process, one after another (compiling is CPU work; 
 each other), on the replay of random Atari-sized segments that scripts/learner_cost.py uses. A variant names its
 inductor cache directory: 'warm' reuses the one 'cold' filled, as a second run on the same machine would. Per
 variant: seconds to build the learner, seconds of the first three updates (compile and CUDA-graph recording),
-steady ms per update, and torch._dynamo's table of compile phases (in the log).
+steady ms per update, and torch._dynamo's table of compile phases (in the log). Those ms are of a bare loop that
+does not replay the step as one CUDA graph (learner.step_graph works in the learner's call loop), so on a GPU
+they are launch-bound, not a run's: `python -m rayzero.bench.learner --preset atari` times the step as a run has
+it (docs/benchmarks.md, twenty-fourth session: the regions 16.3 against 18.5 ms whole here, 10.3 against 8.8 there).
 
     python3 scripts/compile_cost.py [--variants cold,warm,side_eager,eager] [--json PATH] [--log-dir DIR] [overrides]
 """
