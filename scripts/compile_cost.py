@@ -10,7 +10,7 @@ variant: seconds to build the learner, seconds of the first three updates (compi
 steady ms per update, and torch._dynamo's table of compile phases (in the log). Those ms are of a bare loop that
 does not replay the step as one CUDA graph (learner.step_graph works in the learner's call loop), so on a GPU
 they are launch-bound, not a run's: `python -m rayzero.bench.learner --preset atari` times the step as a run has
-it (docs/benchmarks.md, twenty-fourth session: the regions 16.3 against 18.5 ms whole here, 10.3 against 8.8 there).
+it, and the two can rank variants differently (docs/benchmarks.md, twenty-fourth session).
 
     python3 scripts/compile_cost.py [--variants cold,warm,side_eager,eager] [--json PATH] [--log-dir DIR] [overrides]
 """
