@@ -925,6 +925,17 @@ def test_each_background_compile_helper_compiles_only_its_part_and_runs_the_rest
     torch.testing.assert_close(without, with_grad.detach())
 
 
+def test_regions_first_with_the_loss_compiled_as_regions_is_refused():
+    with pytest.raises(ConfigError, match=r"regions_first=True.*compile_regions"):
+        LearnerConfig(regions_first=True, compile_regions=True)
+    # Without a background compile there is nothing to move between: the loss compiles whole, as without it.
+    from rayzero.learner.loss import CompiledRegions
+
+    learner = Learner(ModelConfig(), LearnerConfig(regions_first=True, compile=True, compile_backend="aot_eager",
+                                                   device="cpu"), (3, 16, 16), 3, seed=0)
+    assert learner._switch.compiled is not None and not isinstance(learner._switch.compiled, CompiledRegions)
+
+
 def test_unknown_compile_backend_is_refused_with_the_valid_ones():
     with pytest.raises(ConfigError, match=r"compile_backend.*'tvm'.*inductor.*aot_eager"):
         LearnerConfig(compile_backend="tvm")

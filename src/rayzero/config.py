@@ -412,6 +412,8 @@ class LearnerConfig:
             ("unroll_step_weight", self.unroll_step_weight is None or self.unroll_step_weight > 0,
              "> 0, or None (= 1/K)"),
             ("grad_sync", self.grad_sync in ("ddp", "flat"), "'ddp' or 'flat'"),
+            ("regions_first", not (self.regions_first and self.compile_regions),
+             "false with compile_regions true (regions_first moves from the regions to the whole loss)"),
         ])
 
 
