@@ -407,3 +407,48 @@ def test_the_compile_after_the_background_helpers_hits_their_cache(tmp_path, mon
     assert [helper.returncode for helper in learner._background_helpers] == [0, 0]
     use = learner.compile_cache_use
     assert use is not None and use["graph_cache_miss"] == 0 and use["graph_cache_hit"] >= 3, use
+
+
+def test_regions_first_moves_from_the_regions_step_to_the_whole_loss_under_the_step_graph(tmp_path, monkeypatch):
+    """learner.regions_first as the colocated learner runs it (inductor 'default', the step replayed as one CUDA
+    graph): the regions' compiled step first, then the whole loss's, each from the helpers' cache and replayed as
+    a graph, its losses those of a learner compiled whole from the start."""
+    import time
+
+    from rayzero.learner.loss import CompiledRegions
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the helpers inherit it
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    base = dict(batch_size=8, lr=1e-3, lr_warmup_steps=2, device="cuda", target_update_interval=2,
+                consistency_weight=1.0, consistency_dim=16, compile_mode="default", shift_pixels=0)
+    learner = Learner(model, LearnerConfig(**base, background_compile=True, regions_first=True), (3, 32, 32), 4,
+                      seed=0)
+    replay = _small_image_replay(bootstrap_obs=True, next_obs=True)
+    kinds, deadline = [], time.monotonic() + 500
+    while time.monotonic() < deadline:
+        learner.step(replay.sample(8))
+        compiled = learner._switch.compiled
+        kind = "eager" if compiled is None else "regions" if isinstance(compiled, CompiledRegions) else "whole"
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+        if kind == "whole" and learner.compile_state.startswith("on") and not learner._check_steps:
+            break
+        if learner._background or learner._whole_waiting:
+            time.sleep(0.2)
+    assert kinds[-2:] == ["regions", "whole"], kinds
+    assert learner.compile_state == "on:default" and [h.returncode for h in learner._background_helpers] == [0] * 5
+    use = learner.compile_cache_use
+    assert use is not None and use["graph_cache_miss"] == 0, use
+    # From here its updates are the whole loss's, replayed as one graph: as a learner compiled whole from the same
+    # state (weights, batch-norm statistics, consistency heads, target network, momentum, step count).
+    whole = Learner(model, LearnerConfig(**base), (3, 32, 32), 4, seed=0)
+    whole.loss_module.load_state_dict(learner.loss_module.state_dict())
+    whole.optimizer.load_state_dict(learner.optimizer.state_dict())
+    whole.target.load_state_dict(learner.target.state_dict())
+    whole.steps = learner.steps
+    batches = [replay.sample(8) for _ in range(12)]
+    replays = learner.graph_updates
+    ours = [learner.step(b)[0]["loss"] for b in batches]
+    theirs = [whole.step(b)[0]["loss"] for b in batches]
+    assert learner.graph_updates - replays == len(batches)
+    np.testing.assert_allclose(ours, theirs, rtol=2e-2, atol=1e-4)
