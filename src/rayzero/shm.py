@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 import warnings
 import weakref
@@ -111,6 +112,18 @@ def create(owner: object, specs: dict[str, tuple[tuple[int, ...], np.dtype]],
     return arrays, paths
 
 
+# numpy reads a .npy header with ast.literal_eval, and CPython 3.11's AST constructor is not thread-safe: threads
+# opening maps at once failed with "SystemError: AST constructor recursion depth mismatch" (an inference channel
+# test, twelve clients opening in threads). Opening is rare; the lock costs nothing after.
+_OPEN_LOCK = threading.Lock()
+
+
+def open_map(path: str, mode: str) -> np.ndarray:
+    """np.load(path, mmap_mode=mode) of a shared array, one thread at a time (see _OPEN_LOCK)."""
+    with _OPEN_LOCK:
+        return np.load(path, mmap_mode=mode)
+
+
 def open_readonly(path: str) -> np.ndarray:
     """Map a shared array created by `create` (read-only)."""
-    return np.load(path, mmap_mode="r")
+    return open_map(path, "r")

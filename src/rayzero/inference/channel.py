@@ -300,7 +300,7 @@ class InferenceClient:
             self.arrays = None
             return
         # Plain ndarray views of the maps (a np.memmap's slicing runs Python code on every access).
-        self.arrays = {tag: np.load(path, mmap_mode="r+").view(np.ndarray) for tag, path in info["paths"].items()}
+        self.arrays = {tag: shm.open_map(path, "r+").view(np.ndarray) for tag, path in info["paths"].items()}
 
     def close(self) -> None:
         import ray

@@ -407,9 +407,9 @@ class Learner:
                 side.start_compiling()
 
     def _whole_turn(self) -> None:
-        """learner.regions_first, once the regions' step is compiled and checked: when the whole loss's helper is
-        done, compile the whole loss here from the cache it filled (its first updates watched and checked as any
-        compiled step's), the regions' step kept to fall back on."""
+        """learner.regions_first, once the regions' step is compiled and checked (or has failed): when the whole
+        loss's helper is done, compile the whole loss here from the cache it filled (its first updates watched and
+        checked as any compiled step's), the regions' step kept to fall back on."""
         if self._prewarm is not None:
             code = self._prewarm.code("step")
         else:
@@ -423,9 +423,10 @@ class Learner:
         if code != 0:
             log.warning(f"the whole loss's helper failed (exit code {code}); training on its regions' step")
             return
-        mode = self.compile_state.split(":", 1)[1]
+        regions_on = self.compile_state.startswith("on:")  # else the regions' step failed, and it trains eagerly
+        mode = self.compile_state.split(":", 1)[1] if regions_on else self.cfg.compile_mode
         log.info(f"the whole loss's helper is done (update {self.steps}); compiling it here from the warm cache")
-        self._regions, self._regions_fallback, self._modes = False, mode, [mode]
+        self._regions, self._regions_fallback, self._modes = False, mode if regions_on else None, [mode]
         self._cache_counts = _compile_cache_counts()
         self._next_compile_mode()
 
@@ -458,7 +459,8 @@ class Learner:
         cfg = self.cfg
         if self._background:
             self._background_turn(tensors, stale)
-        elif self._whole_waiting and self.compile_state.startswith("on:") and not self._check_steps:
+        elif self._whole_waiting and (self.compile_state == "failed"
+                                      or self.compile_state.startswith("on:") and not self._check_steps):
             self._whole_turn()
         if self.target is not None:
             if "bootstrap_obs" not in tensors:
