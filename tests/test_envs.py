@@ -409,3 +409,84 @@ def test_self_play_envs_can_play_without_sticky_actions_while_evaluation_keeps_t
     np.testing.assert_array_equal(evaluated, play(EnvConfig(**base, sticky_action_prob=0.9), False))
     with pytest.raises(ValueError, match=r"train_sticky_action_prob=1.0.*\[0, 1\)"):
         EnvConfig(id="ALE/Pong-v5", train_sticky_action_prob=1.0)
+
+
+def _noop_until_game_over(cfg: EnvConfig, training: bool, steps: int) -> tuple[list[np.ndarray], list[float]]:
+    """Always NOOP in one Breakout env for `steps` steps: the actions played, and the games that ended."""
+    played, games = [], []
+    with envs.make_vector_env(cfg, 1, seed=3, training=training) as env:
+        env.reset()
+        for _ in range(steps):
+            res = env.step(np.zeros(1, dtype=np.int64))
+            played.append(res.actions.copy())
+            games += res.episode_returns
+            if games:
+                break
+    return played, games
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_fire_reset_serves_every_life_of_an_agent_that_never_fires(training: bool) -> None:
+    """Breakout serves only on FIRE. An agent that always plays NOOP waits forever without `fire_reset`; with it
+    the env presses FIRE for the first two steps of each of the 5 lives, the misses end the game, and the actions
+    played say so (the self-play actor stores them, not the agent's)."""
+    base = dict(id="ALE/Breakout-v5", grayscale=True, image_size=64, num_threads=1)
+    fire = envs.env_spec(EnvConfig(**base)).action_meanings.index("FIRE")
+    played, games = _noop_until_game_over(EnvConfig(**base), training, 1500)
+    assert not games and not np.concatenate(played).any()  # 1,500 steps, no serve, no lost life
+    played, games = _noop_until_game_over(EnvConfig(**base, fire_reset=True), training, 5000)
+    assert len(games) == 1 and games[0] >= 0
+    fired = np.flatnonzero(np.concatenate(played) == fire)
+    # Two presses at the game's start, then two after each of the 4 lives lost before the game over.
+    assert len(fired) == 2 * 5 and fired[0] == 0 and fired[1] == 1
+    assert np.all(fired[1::2] == fired[0::2] + 1) and np.all(np.diff(fired[0::2]) > 20)
+    assert set(np.unique(np.concatenate(played))) == {0, fire}
+
+
+def test_fire_reset_in_the_render_env_and_games_without_fire() -> None:
+    """The GIF's env presses FIRE as the vector env does (info['action']); a game without FIRE is unchanged."""
+    cfg = EnvConfig(id="ALE/Breakout-v5", grayscale=True, image_size=64, fire_reset=True)
+    env = envs.make_render_env(cfg, seed=3)
+    env.reset()
+    actions, lives, ended = [], [], False
+    for _ in range(5000):
+        _, _, terminated, truncated, info = env.step(0)
+        actions.append(info["action"])
+        lives.append(info["lives"])
+        if terminated or truncated:
+            ended = True
+            break
+    env.close()
+    assert ended and lives[-1] == 0
+    fired = np.flatnonzero(np.array(actions) == 1)
+    assert len(fired) == 10 and list(fired[:2]) == [0, 1]
+    # A game whose action set has no FIRE (MsPacman's minimal set): the agent's actions stand.
+    cfg = EnvConfig(id="ALE/MsPacman-v5", grayscale=True, image_size=64, fire_reset=True, num_threads=1)
+    assert "FIRE" not in envs.env_spec(cfg).action_meanings
+    with envs.make_vector_env(cfg, 2, seed=0, training=False) as vec:
+        vec.reset()
+        assert vec.step(np.array([3, 4])).actions.tolist() == [3, 4]
+    with pytest.raises(ValueError, match=r"fire_reset=True.*ALE namespace"):
+        EnvConfig(id="CartPole-v1", fire_reset=True)
+
+
+def test_selfplay_stores_the_fire_that_fire_reset_played() -> None:
+    """Self-play's segments hold the actions the env played: FIRE at each game's first two steps with
+    `fire_reset`, whatever the search chose, so the dynamics learn from what happened."""
+    from rayzero.actors.selfplay import SelfPlayWorker
+    from rayzero.config import ModelConfig, ReplayConfig
+    from rayzero.tree import SearchConfig
+
+    model = ModelConfig(kind="resnet", channels=8, blocks=1, support_size=5, reduced_channels=2, head_hidden=8)
+    replay = ReplayConfig(segment_length=6, unroll_steps=1, td_steps=1)
+    firsts = {}
+    for fire_reset in (False, True):
+        env_cfg = EnvConfig(id="ALE/Breakout-v5", num_envs=4, image_size=64, grayscale=True, fire_reset=fire_reset)
+        sent: list = []
+        worker = SelfPlayWorker(env_cfg, model, SearchConfig(num_simulations=2), replay, seed=5, sink=sent.append)
+        worker.collect(8)
+        worker.env.close()
+        assert len(sent) == 4  # each env's first 6 steps, from its game's start
+        firsts[fire_reset] = np.stack([s.actions[:2] for s in sent])
+    assert (firsts[True] == 1).all()
+    assert not (firsts[False] == 1).all()  # an untrained search with temperature 1 picks all four actions

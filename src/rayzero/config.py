@@ -61,6 +61,11 @@ class EnvConfig:
     """Atari: all 18 actions instead of the game's minimal set."""
     episodic_life: bool = True
     """Atari: a lost life ends the episode for training (never for evaluation)."""
+    fire_reset: bool = False
+    """Atari, games whose action set has FIRE: the env presses FIRE for the first `envs.FIRE_RESET_STEPS` steps
+    of every life (a new game, and after a lost life), in training and evaluation alike, in place of the agent's
+    action (`StepResult.actions` says what was played). Breakout waits for FIRE to serve: a greedy agent whose
+    search ranks FIRE low there waits until the step cap (OpenAI Baselines' and EnvPool's fire reset)."""
     clip_rewards: bool = False
     """Clip training rewards to [-1, 1] (never for evaluation)."""
     max_episode_steps: int = 0
@@ -82,6 +87,8 @@ class EnvConfig:
             ("train_sticky_action_prob", self.train_sticky_action_prob is None
              or 0.0 <= self.train_sticky_action_prob < 1.0, "in [0, 1), or None (= sticky_action_prob)"),
             ("max_episode_steps", self.max_episode_steps >= 0, ">= 0"),
+            ("fire_reset", not self.fire_reset or self.is_atari,
+             f"false for ids outside the ALE namespace (FIRE is an Atari action; id {self.id!r})"),
             ("num_threads", self.num_threads >= 0, ">= 0 (0 = one per env, up to the CPUs)"),
         ])
 

@@ -13,7 +13,7 @@ Two back ends:
     which does the MuZero/EfficientZero preprocessing in its own threads: frame skip with a max-pool over
     the last two frames, grayscale or RGB, INTER_AREA resize to `image_size`, frame stack (zero-padded
     after a reset), 0..noop_max-1 no-ops at reset, sticky actions (v5 semantics, inside ALE), minimal or
-    full action set, no FIRE at reset. Observations are uint8 `[frame_stack * C, H, W]`, C = 1 (grayscale)
+    full action set, FIRE at the start of every life only with `EnvConfig.fire_reset`. Observations are uint8 `[frame_stack * C, H, W]`, C = 1 (grayscale)
     or 3 (RGB), frames oldest first, the channels of one frame adjacent (R, G, B).
   * every other Gymnasium id runs in a `gymnasium.vector.SyncVectorEnv`. Vector observations become
     float32; uint8 images of shape HxWxC become uint8 CxHxW; a Discrete observation becomes a float32
@@ -70,6 +70,8 @@ class StepResult(NamedTuple):
     """Raw (unclipped) returns of the whole games that finished this step, in env order."""
     episode_lengths: list[int]
     """Agent steps of those games, same order."""
+    actions: np.ndarray
+    """[E] the actions played: the agent's, except where `EnvConfig.fire_reset` pressed FIRE."""
 
 
 class BatchedEnv(abc.ABC):
@@ -307,10 +309,9 @@ class _GymBatchedEnv(BatchedEnv):
         return self._transform(obs)
 
     def step(self, actions: np.ndarray) -> StepResult:
-        actions = self._checked_actions(actions)
-        if self._action_start:
-            actions = actions + self._action_start
-        obs, reward, terminated, truncated, info = self._vec.step(actions)
+        played = self._checked_actions(actions)
+        obs, reward, terminated, truncated, info = self._vec.step(
+            played + self._action_start if self._action_start else played)
         raw = np.asarray(reward, dtype=np.float32)
         self._count(raw)
         done = terminated | truncated
@@ -326,10 +327,23 @@ class _GymBatchedEnv(BatchedEnv):
             final_obs = self._transform(np.stack(rows))
         out = self._transform(obs)
         return StepResult(out, np.clip(raw, -1.0, 1.0) if self._clip else raw, np.asarray(terminated, bool),
-                          np.asarray(truncated, bool), final_obs, returns, lengths)
+                          np.asarray(truncated, bool), final_obs, returns, lengths, played)
 
     def close(self) -> None:
         self._vec.close()
+
+
+FIRE_RESET_STEPS = 2
+"""Steps of FIRE at the start of a life with `EnvConfig.fire_reset`. Two: a sticky action (the previous action
+repeated, frame by frame) can swallow one step's FIRE, with probability sticky_action_prob ** frame_skip (0.4 %
+at the v5 defaults); a game whose serve it swallowed would wait to the step cap."""
+
+
+def _fire_action(cfg: EnvConfig, spec: EnvSpec) -> int | None:
+    """The index of FIRE in `spec`'s actions when `cfg.fire_reset` is on and the game has it, else None."""
+    if not cfg.fire_reset or not spec.action_meanings or "FIRE" not in spec.action_meanings:
+        return None
+    return spec.action_meanings.index("FIRE")
 
 
 class _AtariBatchedEnv(BatchedEnv):
@@ -383,6 +397,8 @@ class _AtariBatchedEnv(BatchedEnv):
         self._lengths = np.zeros(num_envs, dtype=np.int64)
         self._lives = np.zeros(num_envs, dtype=np.int32)
         self._frames = np.zeros(num_envs, dtype=np.int32)
+        self._fire = _fire_action(cfg, self.spec)
+        self._fire_left = np.zeros(num_envs, dtype=np.int64)  # steps of FIRE still to press in each env
 
     def _format(self, obs: np.ndarray) -> np.ndarray:
         if not self._rgb:
@@ -399,10 +415,14 @@ class _AtariBatchedEnv(BatchedEnv):
         self._lengths[:] = 0
         self._lives = np.array(info["lives"], dtype=np.int32)
         self._frames = np.array(info["episode_frame_number"], dtype=np.int32)
+        self._fire_left[:] = FIRE_RESET_STEPS
         return self._format(obs)
 
     def step(self, actions: np.ndarray) -> StepResult:
         actions = self._checked_actions(actions)
+        if self._fire is not None:
+            actions = np.where(self._fire_left > 0, self._fire, actions)
+            np.subtract(self._fire_left, 1, out=self._fire_left, where=self._fire_left > 0)
         obs, reward, terminated, truncated, info = self._env.step(actions)
         raw = reward.astype(np.float32)
         self._count(raw)
@@ -433,11 +453,14 @@ class _AtariBatchedEnv(BatchedEnv):
             final_obs = self._format(final)
             if game_over.any():
                 returns, lengths = self._end_episodes(game_over)
-        if self._life_loss:
+        if self._fire is not None:
+            # A life starts with a new game (the native env has reset) or after a lost life.
+            self._fire_left[done | (info["lives"] < self._lives)] = FIRE_RESET_STEPS
+        if self._life_loss or self._fire is not None:
             self._lives = np.array(info["lives"], dtype=np.int32)
             self._frames = np.array(info["episode_frame_number"], dtype=np.int32)
         return StepResult(self._format(obs), np.clip(raw, -1.0, 1.0) if self._clip else raw, terminated,
-                          truncated, final_obs, returns, lengths)
+                          truncated, final_obs, returns, lengths, actions)
 
     def close(self) -> None:
         self._env.close()
@@ -543,6 +566,10 @@ class _AtariEvalPreprocessing(gymnasium.Wrapper):
         self._elapsed = 0
         self.observation_space = gymnasium.spaces.Box(0, 255, self._stack.shape, np.uint8)
         self.action_space = gymnasium.spaces.Discrete(len(self._action_set))
+        fire = type(self._action_set[0]).FIRE
+        self._fire = self._action_set.index(fire) if cfg.fire_reset and fire in self._action_set else None
+        self._fire_left = 0
+        self._lives = 0
 
     def _grab(self, buffer: np.ndarray) -> None:
         if self._gray:
@@ -576,9 +603,13 @@ class _AtariEvalPreprocessing(gymnasium.Wrapper):
         self._grab(self._raw[0])
         self._raw[1][:] = 0
         self._elapsed = 0
+        self._fire_left, self._lives = FIRE_RESET_STEPS, self._ale.lives()
         return self._push(), info
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """As the vector env's step; with `fire_reset` the played action is `info['action']`."""
+        if self._fire is not None and self._fire_left > 0:
+            action, self._fire_left = self._fire, self._fire_left - 1
         ale_action = self._action_set[int(action)]
         reward = 0.0
         game_over = False
@@ -591,7 +622,11 @@ class _AtariEvalPreprocessing(gymnasium.Wrapper):
             if skip <= 2:
                 self._grab(self._raw[skip - 1])
         truncated = self._elapsed >= self._max_frames and not game_over
-        info = {"lives": self._ale.lives(), "episode_frame_number": self._ale.getEpisodeFrameNumber()}
+        lives = self._ale.lives()
+        if lives < self._lives:
+            self._fire_left = FIRE_RESET_STEPS
+        self._lives = lives
+        info = {"lives": lives, "episode_frame_number": self._ale.getEpisodeFrameNumber(), "action": int(action)}
         return self._push(), float(reward), bool(game_over), bool(truncated), info
 
 

@@ -204,6 +204,7 @@ class SelfPlayWorker:
         self.buf_policy[rows, t] = policy
         self.buf_value[rows, t] = root_value
         result = half.env.step(actions)
+        self.buf_action[rows, t] = result.actions  # the env's FIRE where `env.fire_reset` pressed it
         self.buf_reward[rows, t] = result.reward
         self._rewards += (float(result.reward.sum()), int((result.reward > 0).sum()), int((result.reward < 0).sum()))
         self.length[rows] += 1
