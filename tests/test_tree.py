@@ -455,12 +455,16 @@ def test_temperature_zero_argmax_and_seeded_sampling(cpu_backend):
         runs[0].action, runs[1].action
     )
     assert not torch.equal(runs[0].tree.priors[:, ROOT], runs[2].tree.priors[:, ROOT])
-    # ties in visit counts go to the lowest action
+    # ties in visit counts go to the higher Q, and where the Q tie too, to the lowest action
     fn = bandit_fn([0.5, 0.5, 0.5, 0.5], 4)
     out = search(
         RootOutput(torch.zeros(1, 4), torch.zeros(1), torch.zeros(1, 1)), fn, 8, SearchConfig(**NO_NOISE)
     )
     assert out.visit_counts[0].tolist() == [2, 2, 2, 2] and out.action.item() == 0
+    # Losing arms: each unvisited child looks as good as the parent's mean, so 4 simulations visit each once.
+    fn = bandit_fn([-0.2, -0.3, -0.1, -0.4], 4)
+    out = search(RootOutput(torch.zeros(1, 4), torch.zeros(1), torch.zeros(1, 1)), fn, 4, SearchConfig(**NO_NOISE))
+    assert out.visit_counts[0].tolist() == [1, 1, 1, 1] and out.action.item() == 2
 
 
 def test_temperature_sampling_follows_visits(cpu_backend):

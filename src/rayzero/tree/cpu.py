@@ -758,9 +758,9 @@ def _outputs(fbuf, dims, cf, invalid, temperature, log_visits, action_noise, out
         else:
             for a in range(A):
                 weights[b, a] = edges[b, 0, VISITS, a] / total
-            if temperature == _ZERO:
+            if temperature == _ZERO:  # search._most_visited: the most visited, ties to the higher Q
                 for a in range(A):
-                    score[a] = edges[b, 0, VISITS, a]
+                    score[a] = qvalues[b, a] if edges[b, 0, VISITS, a] == top else _NEG_INF
             else:
                 for a in range(A):
                     score[a] = log_visits[b, a] / temperature + action_noise[b, a]
