@@ -13,8 +13,9 @@ Two back ends:
     which does the MuZero/EfficientZero preprocessing in its own threads: frame skip with a max-pool over
     the last two frames, grayscale or RGB, INTER_AREA resize to `image_size`, frame stack (zero-padded
     after a reset), 0..noop_max-1 no-ops at reset, sticky actions (v5 semantics, inside ALE), minimal or
-    full action set, FIRE at the start of every life only with `EnvConfig.fire_reset`. Observations are uint8 `[frame_stack * C, H, W]`, C = 1 (grayscale)
-    or 3 (RGB), frames oldest first, the channels of one frame adjacent (R, G, B).
+    full action set; FIRE at the start of every life with `EnvConfig.fire_reset` (done here, not natively).
+    Observations are uint8 `[frame_stack * C, H, W]`, C = 1 (grayscale) or 3 (RGB), frames oldest first, the
+    channels of one frame adjacent (R, G, B).
   * every other Gymnasium id runs in a `gymnasium.vector.SyncVectorEnv`. Vector observations become
     float32; uint8 images of shape HxWxC become uint8 CxHxW; a Discrete observation becomes a float32
     one-hot vector. Only Discrete action spaces are accepted.

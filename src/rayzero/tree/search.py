@@ -518,8 +518,8 @@ def _row_setting(name: str, x: torch.Tensor, B: int, device: torch.device) -> to
 
 def _most_visited(visits: torch.Tensor, qvalues: torch.Tensor) -> torch.Tensor:
     """[B] the greedy action: the most visited, ties to the higher Q, then to the lower index. At an evaluation's
-    16 simulations the top visit counts tie often (13 % of Pong's decisions in docs/benchmarks.md, twenty-fifth
-    session), and the lowest index is NOOP, not what the search found better."""
+    few simulations the top visit counts tie often (docs/benchmarks.md, twenty-fifth session), and the lowest
+    index, NOOP in Atari, says nothing of what the search found."""
     top = visits == visits.amax(-1, keepdim=True)
     return torch.where(top, qvalues.float(), -torch.inf).argmax(-1)
 
@@ -547,9 +547,8 @@ def _outputs(
         weights = torch.softmax(ctx.root_log_prior + sigma_q, dim=-1)
     else:
         weights = visits / visits.sum(-1, keepdim=True)
-        greedy = _most_visited(visits, qvalues)
         if config.temperature == 0:
-            action = greedy
+            action = _most_visited(visits, qvalues)
         else:
             g = noise.action if noise is not None and noise.action is not None else None
             if g is None:
@@ -558,7 +557,7 @@ def _outputs(
             if noise is not None and noise.temperature is not None:
                 t = _row_setting("noise.temperature", noise.temperature, ctx.B, ctx.device)
                 sampled = (torch.log(visits) / t.clamp_min(torch.finfo(torch.float32).tiny) + g.float()).argmax(-1)
-                action = torch.where(t[:, 0] > 0, sampled, greedy)
+                action = torch.where(t[:, 0] > 0, sampled, _most_visited(visits, qvalues))
             else:
                 action = (torch.log(visits) / config.temperature + g.float()).argmax(-1)
     return SearchOutput(
