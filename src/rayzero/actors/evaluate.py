@@ -1,4 +1,4 @@
-"""Greedy evaluation: play whole episodes with search (no noise, argmax of visits) and report returns."""
+"""Greedy evaluation: play whole episodes with search (no noise, the most visited action) and report returns."""
 
 from __future__ import annotations
 
