@@ -135,19 +135,18 @@ class PrewarmWatch:
         crashed), None while any still runs. skip: parts not to wait for."""
         codes = []
         for pid_file in sorted(self.directory.glob("*.pid")):
-            if pid_file.stem in skip:
-                continue
-            report = pid_file.with_suffix(".rc")
-            if not report.exists() and pid_alive(int(pid_file.read_text())):
-                return None
-            codes.append(int(report.read_text()) if report.exists() else -1)  # a helper reports before it exits
+            if pid_file.stem not in skip:
+                code = self.code(pid_file.stem)
+                if code is None:
+                    return None
+                codes.append(code)
         return codes or [-1]  # no helper at all: nothing will fill the cache
 
     def code(self, part: str) -> int | None:
         """One part's helper's exit code once it has ended (-1: none, or it ended without a report), else None."""
         pid_file = self.directory / f"{part}.pid"
         report = pid_file.with_suffix(".rc")
-        if report.exists():
+        if report.exists():  # a helper reports before it exits
             return int(report.read_text())
         if pid_file.exists() and pid_alive(int(pid_file.read_text())):
             return None
