@@ -48,9 +48,10 @@ MAX_RESTARTS_IN_A_ROW = 5
 """Failures in a row of an evaluation or reanalyse actor (each restarted by Ray) before the run stops."""
 REWARD_ROWS = 12
 """Progress rows over which the log line counts self-play's rewards > 0 and < 0 (a minute at the default 5 s)."""
-ALONE_PROBE_STEPS, ALONE_PROBE_SECONDS = 20, 5.0
-"""Evaluation steps timed at the start, alone on the GPU (Driver._alone_step_seconds), and the most seconds
-they may take (a CPU network's search is slow)."""
+ALONE_PROBE_STEPS, ALONE_PROBE_SECONDS, ALONE_PROBE_BLOCKS = 20, 5.0, 3
+"""Evaluation steps timed at the start, alone on the GPU (Driver._alone_step_seconds), the most seconds they may
+take (a CPU network's search is slow), and how many such blocks are timed: the fastest counts, as the one least
+slowed by the learner's compile helpers starting beside it."""
 FINAL_EVAL_FLOOR = 5.0
 """The final evaluation's budget in seconds when stopping training took the run past its time limit: a few
 games' worth of steps, so that the summary still scores the final weights."""
@@ -397,23 +398,36 @@ class Driver:
 
     def _alone_step_seconds(self, handles: cluster.Handles) -> float:
         """Seconds an evaluation step takes with nothing else running, as in the final evaluation (the schedule
-        stops training for it): a few steps of an evaluation's games with the first weights, after two untimed
-        ones, before self-play and the learner start. 0 if it failed (the schedule then reserves the whole
-        budget)."""
+        stops training for it): blocks of a few steps of an evaluation's games with the first weights, after two
+        untimed ones, before self-play and the learner start; the fastest block counts. The learner's compile
+        helpers start at the same time and slow some blocks (Pong run 26a's single block: 12.4 ms a step, where
+        its final evaluation, alone, took 6.7; training stopped 82 s early for a 53 s evaluation). 0 if it failed
+        (the schedule then reserves the whole budget)."""
         run = self.config.run
         started = time.perf_counter()
+        blocks: list[dict[str, float]] = []
         try:
-            for steps in (2, ALONE_PROBE_STEPS):  # the first steps pay for first calls (warm-up, not timed)
+            # The first steps pay for first calls (warm-up, not timed).
+            for steps in (2,) + (ALONE_PROBE_STEPS,) * ALONE_PROBE_BLOCKS:
                 result = ray.get(handles.evaluation.evaluate.remote(self.weights, run.eval_episodes, steps,
                                                                     run.seed + 20_000, None, ALONE_PROBE_SECONDS))
+                if steps == ALONE_PROBE_STEPS:
+                    blocks.append(result)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
             log.warning("timing an evaluation step failed (%s); the final evaluation gets its whole budget",
                         _last_line(error))
             return 0.0
-        steps = max(1, result["steps"])
-        seconds = (result.get("search_seconds", 0.0) + result.get("env_seconds", 0.0)) / steps
-        log.info("an evaluation step alone: %.1f ms (over %d steps; the probe took %.1f s, first calls included)",
-                 1e3 * seconds, result["steps"], time.perf_counter() - started)
+
+        def per_step(result: dict[str, Any], key: str) -> float:
+            return result.get(f"{key}_seconds", 0.0) / max(1, result["steps"])
+
+        fastest = min(blocks, key=lambda result: per_step(result, "search") + per_step(result, "env"))
+        seconds = per_step(fastest, "search") + per_step(fastest, "env")
+        log.info("an evaluation step alone: %.1f ms (search %.1f, on the GPU %.1f, env %.1f; the fastest of %s ms "
+                 "over %d steps each; the probe took %.1f s, first calls included)", 1e3 * seconds,
+                 1e3 * per_step(fastest, "search"), 1e3 * per_step(fastest, "device"), 1e3 * per_step(fastest, "env"),
+                 ", ".join(f"{1e3 * (per_step(b, 'search') + per_step(b, 'env')):.1f}" for b in blocks),
+                 fastest["steps"], time.perf_counter() - started)
         return seconds
 
     def _publish(self, handles: cluster.Handles, wait: bool = False) -> None:

@@ -346,6 +346,12 @@ class Learner:
         self._check_steps = self.cfg.compile_check_steps if self._check_enabled else 0
         self.compile_state = f"pending:{mode}"
 
+    def _what_next(self) -> str:
+        """What `_next_compile_mode` will do, for the log line of a compiled step that failed."""
+        if self._modes:
+            return f"trying mode {self._modes[0]}"
+        return "going back to the regions' step" if self._regions_fallback is not None else "training eagerly"
+
     def _compiler(self, mode: str) -> Any:
         """torch.compile as the learner compiles its step in `mode`."""
         if self.cfg.compile_backend == "inductor":
@@ -565,7 +571,7 @@ class Learner:
                     raise
                 log.warning(f"torch.compile ({self.compile_state.split(':')[-1]}) failed ({type(error).__name__}: "
                     f"{first_line(error, 300)}); "
-                    f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}")
+                    f"{self._what_next()}")
                 self._next_compile_mode()
                 continue
             self._watch_steps -= 1
@@ -629,7 +635,7 @@ class Learner:
         if not (math.isfinite(compiled_norm) and abs(compiled_norm - eager_norm) <= 0.25 * eager_norm + 1e-6):
             log.warning(f"the compiled step ({mode}) computed a gradient norm of {compiled_norm:.4g} where eager "
                         f"computes {eager_norm:.4g} on the same batch (update {self.steps}); "
-                        f"{'trying mode ' + self._modes[0] if self._modes else 'training eagerly'}. Largest "
+                        f"{self._what_next()}. Largest "
                         f"differences (compiled / eager gradient norm): {_worst_gradients(compiled, self.loss_module)}")
             self._next_compile_mode()
         elif not self._check_steps:
