@@ -252,10 +252,13 @@ def test_the_compile_check_trains_with_eager_gradients_where_the_compiled_step_i
     np.testing.assert_allclose(norms[True], norms[False], rtol=0.05)
 
 
-def test_the_step_graph_trains_as_the_eager_step_at_the_atari_size():
+def test_the_step_graph_trains_as_the_eager_step_at_the_atari_size(monkeypatch):
     """learner.step_graph: the `atari` preset's eager update (target network, consistency targets, SGD, bf16)
     replayed as one CUDA graph gives the eager updates' losses, gradient norms and weights, with a learning
-    rate that changes every update (warm-up over 6) read by the graph from its device tensor."""
+    rate that changes every update (warm-up over 6) read by the graph from its device tensor. cuDNN picks each
+    convolution's algorithm by heuristics here, the same for both learners: the learner's benchmark mode times
+    them, and two learners may pick different ones, whose bf16 sums differ from the first update (the suspected
+    cause of this test's failure on an H100, twenty-sixth session; not yet confirmed)."""
     cfg, batches, obs_shape = _atari_batches(["learner.lr_warmup_steps=6", "learner.target_update_interval=3"], 8,
                                              128)
     runs = {}
@@ -263,6 +266,8 @@ def test_the_step_graph_trains_as_the_eager_step_at_the_atari_size():
         learner_cfg = dataclasses.replace(cfg.learner, device="cuda", compile=False, step_graph=graphed,
                                           background_compile=False)
         learner = Learner(cfg.model, learner_cfg, obs_shape, 6, seed=0)
+        monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)  # the learner turned it on
+        monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
         metrics = [learner.step(b)[0] for b in batches]
         runs[graphed] = (metrics, {k: v.float().cpu() for k, v in learner.model.state_dict().items()},
                          learner.graph_updates)
