@@ -361,6 +361,7 @@ class Driver:
         self.actors = dict(enumerate(handles.selfplay))
         self.next_index = len(self.actors)
         self._publish(handles, wait=True)
+        log.info("every role is up and has the first weights %.1f s into the run", time.perf_counter() - self.start)
         if rules.time_limit and rules.final_reserve:
             schedule.alone_step_seconds = self._alone_step_seconds(handles)
         while True:

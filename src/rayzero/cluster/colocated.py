@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib
 import threading
+import time
 from typing import Any
 
 import torch
@@ -39,7 +40,9 @@ class ColocatedLearner(InferenceServer):
         self._learner_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
         # The other end of the priorities from the inference streams' (inference.stream_priority).
         priority = HIGHEST_PRIORITY if self.cfg.stream_priority == "low" else 0
+        started = time.perf_counter()
         self.learner: Learner = self._learner_thread.submit(self._make_learner, learner_args, priority).result()
+        log.info("colocated learner built in %.1f s", time.perf_counter() - started)
         if self.learner.compile_state == "background":
             # Inductor's modules, imported while replay fills, not in the stall of the learner's own compile once
             # the helpers are done; in a thread of their own: in the learner's they held back its first call, the

@@ -39,8 +39,11 @@ from rayzero.inference.cache import EvalCache, row_key
 from rayzero.inference.errors import InferenceError, InferenceOverloaded
 from rayzero.inference.pool import LatentPool
 from rayzero.inference.runner import Flight, Runner, is_cuda, merged_search
+from rayzero.logs import logger
 from rayzero.models import build_model
 from rayzero.tree import SearchConfig
+
+log = logger(__name__)
 
 
 def bucket_ladder(min_bucket: int, max_batch: int) -> list[int]:
@@ -108,6 +111,7 @@ class InferenceServer:
         evaluation network's graphs by; eval_simulations: those searches' simulations (run.eval_simulations;
         0 = search_cfg's), on the evaluation network's graphs (a greedy request of any other client searches
         with search_cfg's)."""
+        started = time.perf_counter()
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.cfg = cfg
@@ -139,6 +143,11 @@ class InferenceServer:
         self.eval_runner = (self._eval_runner(model_cfg, eval_rows, discount, seed)
                             if cfg.pinned_eval and eval_rows > 0 else None)
         self.eval_version = 0
+        if cuda:  # where a run's start goes (its first update waits for this actor)
+            log.info("inference actor up in %.1f s: %d network graphs and %d whole searches captured in %.1f s%s",
+                     time.perf_counter() - started, len(self.runner.graphs), len(self.runner.searches),
+                     self.runner.capture_s, "" if self.eval_runner is None else
+                     f", the evaluation network's {len(self.eval_runner.searches)} in {self.eval_runner.capture_s:.1f} s")
         self._pinned_clients: set[str] = set()
         self._queues: dict[Any, collections.deque[_Request]] = {}
         self._queued_rows: collections.Counter = collections.Counter()
