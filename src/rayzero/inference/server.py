@@ -176,8 +176,11 @@ class InferenceServer:
         self._channel_answered_gpu = 0
         self._channel_errors = 0  # requests the poller thread refused (its own counter: no race with the loop's)
         self._gpu_errors = 0  # fast-path requests the GPU thread answered with an error
-        # The wave queue (channel recurrent requests, poller thread -> GPU thread), under _wave_lock. Counters of
-        # the poller thread's own (requests, refusals, peak rows), as the loop has its own.
+        self._init_waves()
+
+    def _init_waves(self) -> None:
+        """The wave queue (channel recurrent requests, poller thread -> GPU thread), under _wave_lock, and the
+        poller thread's own counters (requests, refusals, peak rows), as the loop has its own."""
         self._wave_lock = threading.Lock()
         self._waves: collections.deque[_Request] = collections.deque()
         self._wave_rows = 0
