@@ -48,7 +48,7 @@ def main() -> None:
     total = trained + bootstraps + consistency
     print(f"{args.preset}: observation {spec.observation_shape}, latent {tuple(latent.shape[1:])}, K = {k}")
     print(f"MFLOPs a pass: represent {represent:.1f}, predict {predict:.1f}, dynamics {dynamics:.1f}")
-    print(f"| part of an update, per sample | MFLOPs | share |\n|---|---:|---:|")
+    print("| part of an update, per sample | MFLOPs | share |\n|---|---:|---:|")
     for name, value in (("root and unroll, forward and backward", trained),
                         (f"bootstraps ({k + 1} target representations and predictions)", bootstraps),
                         (f"consistency targets ({k} representations)", consistency), ("total", total)):
