@@ -255,11 +255,17 @@ def test_the_compile_check_trains_with_eager_gradients_where_the_compiled_step_i
 
 
 def _take_state(twin: Learner, learner: Learner) -> None:
-    """Give `twin` the learner's whole training state: weights and buffers, target network, momentum, step."""
+    """Give `twin` the learner's whole training state: weights and buffers, the target network and consistency
+    heads, momentum, step."""
     copy_into(twin.model, learner.model.state_dict())
-    copy_into(twin.target, learner.target.state_dict())
+    for name, module in learner._extra_modules().items():
+        copy_into(twin._extra_modules()[name], module.state_dict())
     twin.optimizer.load_state_dict(copy.deepcopy(learner.optimizer.state_dict()))  # loading keeps its tensors
     twin.steps = learner.steps
+
+
+def _trained(learner: Learner) -> list[torch.Tensor]:
+    return [p for group in learner.optimizer.param_groups for p in group["params"]]
 
 
 def test_the_step_graph_updates_as_the_eager_step_at_the_atari_size(monkeypatch):
@@ -282,10 +288,10 @@ def test_the_step_graph_updates_as_the_eager_step_at_the_atari_size(monkeypatch)
     graphed, twin = learners
     for number, batch in enumerate(batches, 1):
         _take_state(twin, graphed)
-        before = {k: v.float().clone() for k, v in graphed.model.named_parameters()}
+        before = [p.float().clone() for p in _trained(graphed)]
         metrics = [learner.step(batch)[0] for learner in learners]
-        graph_moves = torch.cat([(v.float() - before[k]).flatten() for k, v in graphed.model.named_parameters()])
-        eager_moves = torch.cat([(v.float() - before[k]).flatten() for k, v in twin.model.named_parameters()])
+        graph_moves, eager_moves = (torch.cat([(p.float() - b).flatten() for p, b in zip(_trained(learner), before)])
+                                    for learner in learners)
         apart = ((graph_moves - eager_moves).norm() / eager_moves.norm()).item()
         # A capture's update, and the replays, sum in another order: 1e-3 of the update on an H100.
         assert apart < 0.05, f"update {number}: the graph's update is {apart:.1%} of eager's away from it"
