@@ -41,7 +41,8 @@ def main() -> None:
         print(f"  by {t:4.0f} s: updates {last.get('learner_steps', 0):7,d}  env steps {last.get('env_steps', 0):9,d}"
               f"  train return {train[-1] if train else float('nan'):6.1f}"
               + (f"  rewards > 0 (last minute) {sum(shares) / len(shares):.0%}" if shares else "")
-              + (f"  through the step graph {last['graph_updates']:,d}" if last.get("graph_updates") else ""))
+              + (f"  through the step graph {last['graph_updates']:,d}" if last.get("graph_updates") else "")
+              + (f"  reanalysed {last['reanalysed']:,d}" if last.get("reanalysed") else ""))
     def ended(r: dict) -> float:  # when an evaluation ended (rows before eval_ended_seconds: when it was logged)
         return r.get("eval_ended_seconds", r["wall_seconds"])
 
