@@ -1392,6 +1392,36 @@ def test_the_compile_check_names_the_parameters_whose_gradients_the_miscompile_g
     assert first == wrong["name"] and compiled_norm > 10 * eager_norm
 
 
+def test_a_compiled_step_that_goes_wrong_after_a_recompile_says_how_many_frames_compiled_since(monkeypatch, caplog):
+    """Pong runs 26a and 28b's whole-loss steps passed their first checked updates and then computed gradients 5x
+    eager's: the warning says how many frames torch._dynamo compiled in the process since the first checked
+    update (here one: the step recompiles at its third update, then goes wrong), so a recompile shows."""
+    real_compile = torch.compile
+    calls = []
+
+    def wrong_after_a_recompile(module):
+        def step(batch):
+            calls.append(1)
+            loss, stats, priorities = module(batch)
+            if len(calls) < 3:
+                return loss, stats, priorities
+            if len(calls) == 3:
+                real_compile(lambda x: x + 1, backend="eager")(torch.ones(2))  # a frame compiled: a recompile's trace
+            return loss * 10.0, stats, priorities
+        return step
+
+    model, base, replay = _consistency_learners()
+    _compiled_as(monkeypatch, wrong_after_a_recompile)
+    learner = Learner(model, LearnerConfig(**base, compile=True, compile_mode="default", compile_check_steps=4),
+                      (3, 16, 16), 3, seed=0)
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            learner.step(replay.sample(8))
+    warning = next(r.getMessage() for r in caplog.records if "computed a gradient norm" in r.getMessage())
+    assert "(update 2)" in warning, warning
+    assert "Since the first checked update this process compiled 1 frames" in warning, warning
+
+
 def test_a_compiled_step_that_follows_eager_stays_on_after_its_checks(monkeypatch, caplog):
     model, base, replay = _consistency_learners()
     batches = [replay.sample(8) for _ in range(5)]

@@ -262,6 +262,7 @@ class Learner:
         self._graphs = False
         self._watch_steps = 0
         self._check_steps = 0  # compiled updates still to check against eager (learner.compile_check_steps)
+        self._check_counts: dict[str, int] | None = None  # compile counters at a mode's first checked update
         self._check_enabled = not distributed
         self.compile_state = "off"  # "pending:<mode>", then "on:<mode>", or "failed"; "background" before those
         # With learner.background_compile: eager until the helper process has filled the compile cache.
@@ -344,6 +345,7 @@ class Learner:
                         and self.cfg.compile_backend == "inductor")
         self._watch_steps = 3  # compilation, then CUDA-graph warm-up and recording, happen in the first steps
         self._check_steps = self.cfg.compile_check_steps if self._check_enabled else 0
+        self._check_counts = None
         self.compile_state = f"pending:{mode}"
 
     def _what_next(self) -> str:
@@ -632,10 +634,17 @@ class Learner:
         eager_norm = self._grad_norm()
         self._check_steps -= 1
         mode = self.compile_state.split(":")[-1]
+        counts, first_check = _compile_counts(), self._check_counts is None
+        if first_check:  # the first checked update compiled the step; what compiles after it is a recompile
+            self._check_counts = counts
         if not (math.isfinite(compiled_norm) and abs(compiled_norm - eager_norm) <= 0.25 * eager_norm + 1e-6):
+            since = "" if first_check else (
+                f" Since the first checked update this process compiled {counts['frames'] - self._check_counts['frames']}"
+                f" frames ({counts['graph_cache_hit'] - self._check_counts['graph_cache_hit']} graphs from the cache,"
+                f" {counts['graph_cache_miss'] - self._check_counts['graph_cache_miss']} new).")
             log.warning(f"the compiled step ({mode}) computed a gradient norm of {compiled_norm:.4g} where eager "
                         f"computes {eager_norm:.4g} on the same batch (update {self.steps}); "
-                        f"{self._what_next()}. Largest "
+                        f"{self._what_next()}.{since} Largest "
                         f"differences (compiled / eager gradient norm): {_worst_gradients(compiled, self.loss_module)}")
             self._next_compile_mode()
         elif not self._check_steps:
@@ -924,6 +933,14 @@ def _compile_cache_counts() -> dict[str, int]:
             "graph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
             "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
             "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"]}
+
+
+def _compile_counts() -> dict[str, int]:
+    """_compile_cache_counts and the frames torch._dynamo compiled in this process so far (a recompile after a
+    guard failed counts one more)."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": counters["frames"]["ok"], **_compile_cache_counts()}
 
 
 def compile_in_helper(work: str) -> int:
