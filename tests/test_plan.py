@@ -12,8 +12,9 @@ from rayzero.config import ConfigError
 
 
 def host_atari(overrides: list[str] = ()):
-    """The `atari` preset with self-play sized from the host (the preset itself pins one actor)."""
-    return config_lib.load("atari", ["cluster.num_selfplay_actors=0", *overrides])
+    """The `atari` preset with self-play sized from the host (the preset itself pins one actor), and without its
+    reanalyse worker, whose CPU the reanalyse test below counts."""
+    return config_lib.load("atari", ["cluster.num_selfplay_actors=0", "reanalyse.fraction=0", *overrides])
 
 
 def test_the_atari_preset_pins_one_self_play_actor_of_64_envs_beside_the_shared_gpu():
@@ -160,8 +161,13 @@ def test_actors_run_at_most_as_many_torch_threads_as_the_cpus_they_reserve():
 
 
 def test_reanalyse_on_a_one_gpu_host_searches_on_the_inference_actor_unless_it_has_a_gpu_share():
-    shared = cluster.plan(host_atari(["reanalyse.fraction=0.25"]), {"CPU": 16.0, "GPU": 1.0})
+    """The preset's reanalyse worker holds no network on a one-GPU host: it takes a CPU of its own, which self-play
+    then does not get (16 - 1 - 1 - 2 - 1 = 11 actors where the host sizes self-play)."""
+    preset = config_lib.load("atari", ["cluster.num_selfplay_actors=0"])
+    assert preset.reanalyse.fraction > 0
+    shared = cluster.plan(preset, {"CPU": 16.0, "GPU": 1.0})
     assert shared.reanalyse is not None and shared.reanalyse.gpus == 0 and shared.reanalyse_on_inference
+    assert shared.reanalyse.count == 1 and shared.reanalyse.cpus == 1.0 and shared.selfplay.count == 11
     pinned = cluster.plan(host_atari(["reanalyse.fraction=0.25", "cluster.reanalyse_gpus=0.1",
                                       "cluster.learner_gpus=0.45", "cluster.inference_gpus=0.45",
                                       "inference.mode=central"]), {"CPU": 16.0, "GPU": 1.0})
