@@ -172,5 +172,8 @@ def test_reanalyse_on_a_one_gpu_host_searches_on_the_inference_actor_unless_it_h
                                       "cluster.learner_gpus=0.45", "cluster.inference_gpus=0.45",
                                       "inference.mode=central"]), {"CPU": 16.0, "GPU": 1.0})
     assert pinned.reanalyse.gpus == 0.1 and not pinned.reanalyse_on_inference
+    from rayzero.bench.selfplay import GPU_ROWS  # self-play alone, no learner: nothing to reanalyse
+    bench = cluster.plan(config_lib.load("atari", GPU_ROWS["preset"]), {"CPU": 16.0, "GPU": 1.0})
+    assert bench.reanalyse is None and bench.selfplay.count == 12
     laptop = cluster.plan(config_lib.load("cartpole", ["reanalyse.fraction=0.25"]), {"CPU": 2.0})
     assert not laptop.reanalyse_on_inference  # no whole searches: the worker runs its own network
