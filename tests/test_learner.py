@@ -1361,6 +1361,12 @@ def test_a_compiled_step_with_wrong_gradients_is_dropped_and_its_updates_are_eag
     warnings = [r.getMessage() for r in caplog.records if "computed a gradient norm" in r.getMessage()]
     assert len(warnings) == 2, warnings  # reduce-overhead, then default
     assert "trying mode default" in warnings[0] and "training eagerly" in warnings[1]
+    # The forward's terms of both sides: the loss 10x eager's, the loss terms (its parts) equal.
+    forward = warnings[0].split("The forward (compiled / eager): ")[1].split(". Largest")[0]
+    terms = {name: (float(c), float(e)) for name, c, _, e in (part.split(" ") for part in forward.split(", "))}
+    assert set(terms) == {"loss", "policy_loss", "value_loss", "reward_loss", "consistency_loss"}
+    assert terms["loss"][0] == pytest.approx(10 * terms["loss"][1], rel=1e-3)
+    assert terms["policy_loss"][0] == terms["policy_loss"][1] and terms["value_loss"][0] == terms["value_loss"][1]
     assert learner.compile_state == "failed" and learner._switch.compiled is None
     for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
         assert torch.equal(a, b)

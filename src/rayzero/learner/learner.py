@@ -582,7 +582,7 @@ class Learner:
                 self._log_cache_use()
             break
         if before is not None and self._switch.compiled is not None:
-            loss, stats, priorities = self._check_against_eager(tensors, before)
+            loss, stats, priorities = self._check_against_eager(tensors, before, loss, stats)
         if self._switch.compiled is None:
             self._eager_updates += 1
         return loss, stats, priorities, self._clip_and_step(lr)
@@ -613,11 +613,13 @@ class Learner:
                                                      if p.grad is not None])).item()
 
     def _check_against_eager(self, tensors: dict[str, torch.Tensor],
-                             before: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]
-                             ) -> tuple[torch.Tensor, ...]:
+                             before: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None],
+                             compiled_loss: torch.Tensor, compiled_stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The compiled step has left its gradients: rerun the step eagerly from the state before it, compare the
-        gradient norms, and keep the eager outputs and gradients. A mismatch moves to the next compile mode."""
+        gradient norms, and keep the eager outputs and gradients. A mismatch moves to the next compile mode; its
+        warning gives the forward's loss terms of both too (equal terms point at the backward)."""
         compiled_norm = self._grad_norm()
+        compiled_terms = [compiled_loss.detach().float().item(), *compiled_stats.detach().float().tolist()]
         compiled = {name: p.grad.detach().float().clone() for name, p in self.loss_module.named_parameters()
                     if p.grad is not None}
         buffers, cpu_rng, cuda_rng = before
@@ -638,13 +640,16 @@ class Learner:
         if first_check:  # the first checked update compiled the step; what compiles after it is a recompile
             self._check_counts = counts
         if not (math.isfinite(compiled_norm) and abs(compiled_norm - eager_norm) <= 0.25 * eager_norm + 1e-6):
+            eager_terms = [loss.detach().float().item(), *stats.detach().float().tolist()]
+            terms = ", ".join(f"{name} {c:.4g} / {e:.4g}" for name, c, e in
+                              zip(("loss", *STAT_NAMES[:4]), compiled_terms, eager_terms))
             since = "" if first_check else (
                 f" Since the first checked update this process compiled {counts['frames'] - self._check_counts['frames']}"
                 f" frames ({counts['graph_cache_hit'] - self._check_counts['graph_cache_hit']} graphs from the cache,"
                 f" {counts['graph_cache_miss'] - self._check_counts['graph_cache_miss']} new).")
             log.warning(f"the compiled step ({mode}) computed a gradient norm of {compiled_norm:.4g} where eager "
                         f"computes {eager_norm:.4g} on the same batch (update {self.steps}); "
-                        f"{self._what_next()}.{since} Largest "
+                        f"{self._what_next()}.{since} The forward (compiled / eager): {terms}. Largest "
                         f"differences (compiled / eager gradient norm): {_worst_gradients(compiled, self.loss_module)}")
             self._next_compile_mode()
         elif not self._check_steps:
