@@ -12,9 +12,8 @@ from rayzero.config import ConfigError
 
 
 def host_atari(overrides: list[str] = ()):
-    """The `atari` preset with self-play sized from the host (the preset itself pins one actor), and without its
-    reanalyse worker, whose CPU the reanalyse test below counts."""
-    return config_lib.load("atari", ["cluster.num_selfplay_actors=0", "reanalyse.fraction=0", *overrides])
+    """The `atari` preset with self-play sized from the host (the preset itself pins one actor)."""
+    return config_lib.load("atari", ["cluster.num_selfplay_actors=0", *overrides])
 
 
 def test_the_atari_preset_pins_one_self_play_actor_of_64_envs_beside_the_shared_gpu():
@@ -120,9 +119,10 @@ def test_the_plan_prints_as_a_table_and_saves_as_json():
     plan = cluster.plan(host_atari(), {"CPU": 16.0, "GPU": 2.0})
     lines = plan.table().splitlines()
     assert lines[0].split() == ["role", "count", "CPUs", "GPUs", "device", "envs"]
-    assert [line.split()[0] for line in lines[1:6]] == ["replay", "learner", "selfplay", "evaluation", "inference"]
+    assert [line.split()[0] for line in lines[1:7]] == ["replay", "learner", "selfplay", "evaluation", "inference",
+                                                        "reanalyse"]
     # The preset asks for the colocated learner; with a GPU each, the plan says why it is off.
-    assert lines[6:] == ["(cluster.colocate_learner not applied: the learner (1) and the inference actor (1) have "
+    assert lines[7:] == ["(cluster.colocate_learner not applied: the learner (1) and the inference actor (1) have "
                          "GPUs of their own here)"]
     document = json.loads(json.dumps(plan.as_dict()))
     assert document["inference"]["device"] == "cuda" and document["selfplay"]["envs"] == 64
@@ -161,19 +161,20 @@ def test_actors_run_at_most_as_many_torch_threads_as_the_cpus_they_reserve():
 
 
 def test_reanalyse_on_a_one_gpu_host_searches_on_the_inference_actor_unless_it_has_a_gpu_share():
-    """The preset's reanalyse worker holds no network on a one-GPU host: it takes a CPU of its own, which self-play
-    then does not get (16 - 1 - 1 - 2 - 1 = 11 actors where the host sizes self-play)."""
-    preset = config_lib.load("atari", ["cluster.num_selfplay_actors=0"])
+    """The preset's reanalyse worker holds no network on a one-GPU host, and reserves no core: self-play gets as
+    many actors as without it. On a 2-core machine it searches with its own network, and the cores still go to the
+    learner and one self-play actor."""
+    preset = host_atari()
     assert preset.reanalyse.fraction > 0
     shared = cluster.plan(preset, {"CPU": 16.0, "GPU": 1.0})
     assert shared.reanalyse is not None and shared.reanalyse.gpus == 0 and shared.reanalyse_on_inference
-    assert shared.reanalyse.count == 1 and shared.reanalyse.cpus == 1.0 and shared.selfplay.count == 11
+    assert shared.reanalyse.count == 1 and shared.reanalyse.cpus == 0.0 and shared.selfplay.count == 12
+    laptop = cluster.plan(config_lib.load("atari"), {"CPU": 2.0})
+    assert laptop.reanalyse is not None and not laptop.reanalyse_on_inference and laptop.reanalyse.device == "cpu"
+    assert laptop.selfplay.count == 1 and laptop.cpu_shortfall(2.0) == 0.0
     pinned = cluster.plan(host_atari(["reanalyse.fraction=0.25", "cluster.reanalyse_gpus=0.1",
                                       "cluster.learner_gpus=0.45", "cluster.inference_gpus=0.45",
                                       "inference.mode=central"]), {"CPU": 16.0, "GPU": 1.0})
     assert pinned.reanalyse.gpus == 0.1 and not pinned.reanalyse_on_inference
-    from rayzero.bench.selfplay import GPU_ROWS  # self-play alone, no learner: nothing to reanalyse
-    bench = cluster.plan(config_lib.load("atari", GPU_ROWS["preset"]), {"CPU": 16.0, "GPU": 1.0})
-    assert bench.reanalyse is None and bench.selfplay.count == 12
     laptop = cluster.plan(config_lib.load("cartpole", ["reanalyse.fraction=0.25"]), {"CPU": 2.0})
     assert not laptop.reanalyse_on_inference  # no whole searches: the worker runs its own network

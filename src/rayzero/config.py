@@ -536,8 +536,11 @@ class ClusterConfig:
     """CPUs reserved for the evaluation actor."""
     num_reanalyse_workers: int = 1
     """Reanalyse actors (used when reanalyse.fraction > 0)."""
-    reanalyse_cpus: float = 1.0
-    """CPUs per reanalyse actor."""
+    reanalyse_cpus: float = 0.0
+    """CPUs reserved per reanalyse actor. None by default, as for the evaluation actor: its work is paced by the
+    learner's (reanalyse.fraction of the samples trained on), on a GPU host it only hands batches to the inference
+    actor, and a core reserved for it on a 2-core machine left self-play none (the `atari` preset there). Reserve
+    some where its searches run on the CPU of a host with cores to spare."""
     reanalyse_gpus: float = 0.0
     """GPUs (or a share of one) per reanalyse actor: its searches then run on that GPU."""
     torch_threads: int = 1

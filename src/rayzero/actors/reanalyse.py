@@ -90,7 +90,7 @@ class ReanalyseWorker:
             answer = self.remote.search(obs, self.search_cfg.temperature)
             self.version = int(answer["version"])
             return (np.asarray(answer["action_weights"], np.float32), np.asarray(answer["root_value"], np.float32))
-        root = self.network.root(obs)
+        root = self.network.root(np.require(obs, requirements="W"))  # Ray's arrays are read-only: torch warns
         captured = self._captured(root)
         if captured is not None:
             out = captured(root, generator=self.generator)

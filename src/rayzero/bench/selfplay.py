@@ -216,7 +216,7 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     return row
 
 
-_HOST = ["cluster.num_selfplay_actors=0", "reanalyse.fraction=0"]
+_HOST = ["cluster.num_selfplay_actors=0"]
 GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"],
             "sims200": [*_HOST, "search.num_simulations=200"], "cpu": [*_HOST, "search.device=cpu"],
             "cpu128": [*_HOST, "search.device=cpu", "env.num_envs=128"],
@@ -227,8 +227,7 @@ simulation waves wait on the round trip to the inference actor, so twice the row
 the env steps; the default rows leave it out) or 256 (the same again, where 128 left the GPU three-quarters
 idle, 25 % busy in the fifteenth session). Every row sizes self-play from the host (as many actors as the
 plan gives): the preset pins one actor, which is what its learner needs at its replay ratio, while this bench
-measures what self-play on the host can do. Without a learner nothing is reanalysed, so the rows plan no
-reanalyse worker either (the preset's would hold a core that self-play then does not get)."""
+measures what self-play on the host can do."""
 
 
 DEFAULT_ROWS = ("preset", "envs16", "sims200", "cpu")
