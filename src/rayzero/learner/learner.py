@@ -619,7 +619,7 @@ class Learner:
         gradient norms, and keep the eager outputs and gradients. A mismatch moves to the next compile mode; its
         warning gives the forward's loss terms of both too (equal terms point at the backward)."""
         compiled_norm = self._grad_norm()
-        compiled_terms = [compiled_loss.detach().float().item(), *compiled_stats.detach().float().tolist()]
+        compiled_terms = _loss_terms(compiled_loss, compiled_stats)
         compiled = {name: p.grad.detach().float().clone() for name, p in self.loss_module.named_parameters()
                     if p.grad is not None}
         buffers, cpu_rng, cuda_rng = before
@@ -640,13 +640,12 @@ class Learner:
         if first_check:  # the first checked update compiled the step; what compiles after it is a recompile
             self._check_counts = counts
         if not (math.isfinite(compiled_norm) and abs(compiled_norm - eager_norm) <= 0.25 * eager_norm + 1e-6):
-            eager_terms = [loss.detach().float().item(), *stats.detach().float().tolist()]
             terms = ", ".join(f"{name} {c:.4g} / {e:.4g}" for name, c, e in
-                              zip(("loss", *STAT_NAMES[:4]), compiled_terms, eager_terms))
+                              zip(("loss", *STAT_NAMES[:4]), compiled_terms, _loss_terms(loss, stats)))
+            grown = {name: counts[name] - self._check_counts[name] for name in counts}
             since = "" if first_check else (
-                f" Since the first checked update this process compiled {counts['frames'] - self._check_counts['frames']}"
-                f" frames ({counts['graph_cache_hit'] - self._check_counts['graph_cache_hit']} graphs from the cache,"
-                f" {counts['graph_cache_miss'] - self._check_counts['graph_cache_miss']} new).")
+                f" Since the first checked update this process compiled {grown['frames']} frames"
+                f" ({grown['graph_cache_hit']} graphs from the cache, {grown['graph_cache_miss']} new).")
             log.warning(f"the compiled step ({mode}) computed a gradient norm of {compiled_norm:.4g} where eager "
                         f"computes {eager_norm:.4g} on the same batch (update {self.steps}); "
                         f"{self._what_next()}.{since} The forward (compiled / eager): {terms}. Largest "
@@ -938,6 +937,11 @@ def _compile_cache_counts() -> dict[str, int]:
             "graph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
             "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
             "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"]}
+
+
+def _loss_terms(loss: torch.Tensor, stats: torch.Tensor) -> list[float]:
+    """The loss and its terms (STAT_NAMES) as floats, in one device sync."""
+    return torch.cat([loss.detach().float().view(1), stats.detach().float()]).tolist()
 
 
 def _compile_counts() -> dict[str, int]:
