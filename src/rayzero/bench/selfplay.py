@@ -8,8 +8,9 @@ every env of an actor waits one batched step for its next action), one env alone
 and energy per env step (NVML), and how full the inference actor's batches were. On a GPU host the
 default rows are the `atari` preset at 50 simulations with its envs per actor and with 16, at 200 simulations,
 and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor),
-each with as many self-play actors as the host plan gives; `--rows preset,envs16,sims200,cpu,cpu128,cpu256`
-picks some of them (a device call may not have time for all four); cpu128 and cpu256 run only when asked for.
+each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256`
+picks some of them (a device call may not have time for all four); envs128, cpu128 and cpu256 run only when asked
+for.
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
@@ -217,12 +218,13 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
 
 
 _HOST = ["cluster.num_selfplay_actors=0"]
-GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"],
+GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [*_HOST, "env.num_envs=128"],
             "sims200": [*_HOST, "search.num_simulations=200"], "cpu": [*_HOST, "search.device=cpu"],
             "cpu128": [*_HOST, "search.device=cpu", "env.num_envs=128"],
             "cpu256": [*_HOST, "search.device=cpu", "env.num_envs=256"]}
-"""The rows on a GPU host: the preset's envs per actor, then 16 (searches of a quarter the roots), 200
-simulations, and the trees walked on the CPU, with the preset's envs per actor and with 128 (a CPU search's
+"""The rows on a GPU host: the preset's envs per actor, then 16 (searches of a quarter the roots) or 128 (twice
+the roots: a whole search of 1,024 roots takes ~1.6x the time of 256, so larger searches move more env steps
+per GPU second, if the envs keep up), 200 simulations, and the trees walked on the CPU, with the preset's envs per actor and with 128 (a CPU search's
 simulation waves wait on the round trip to the inference actor, so twice the rows per wave may come near twice
 the env steps; the default rows leave it out) or 256 (the same again, where 128 left the GPU three-quarters
 idle, 25 % busy in the fifteenth session). Every row sizes self-play from the host (as many actors as the
