@@ -93,7 +93,11 @@ def test_served_graphs_match_direct_calls(bf16):
     obs = [_obs(n, seed=i) for i, n in enumerate(sizes)]
     actions = [rng.integers(0, A, size=n) for n in sizes]
     roots, steps, deeper = _serve(srv, obs, actions)
-    tol = {"rtol": 5e-2, "atol": 5e-2} if bf16 else {"rtol": 1e-4, "atol": 1e-4}
+    # float32: cuDNN runs float32 convolutions in TF32 by default (torch.backends.cudnn.allow_tf32), and may pick
+    # another algorithm for the server's batch than for the direct call's: on an H100 1 of 200 root values was
+    # 1.4e-4 off at 1e-4 (thirtieth session). At 1e-3 a batch served from shuffled rows or other weights still
+    # fails: its root values spread over ~0.1.
+    tol = {"rtol": 5e-2, "atol": 5e-2} if bf16 else {"rtol": 1e-3, "atol": 1e-3}
     model = srv.model
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
         for o, a, r, s, d in zip(obs, actions, roots, steps, deeper):
