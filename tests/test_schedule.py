@@ -108,6 +108,29 @@ def test_no_evaluation_starts_that_would_end_past_the_time_limit():
     assert (EVAL, 0) in roles(endless.next_calls(stepped, set(), [], now=90.0))
 
 
+def test_self_play_reaching_the_stop_return_brings_the_evaluation_forward_once_per_half_interval():
+    """run.stop_return 195, evaluations every 20 s: self-play's mean return reaching 195 at 7 s makes an
+    evaluation due then, not at 20 s; after one that ended at 12 s (greedy play short of it), the next early one
+    waits until 22 s (half an interval), the regular one until 32 s. Below the return, or with no stop_return,
+    nothing moves."""
+    rules = Rules(**{**RULES.__dict__, "eval_interval": 20.0, "stop_return": 195.0})
+    stepped = Counters(learner_steps=5)
+    schedule = Schedule(rules, start=0.0)
+    schedule.self_play_return(150.0, now=7.0)
+    assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=7.0))
+    schedule.self_play_return(195.0, now=7.0)
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=7.0))
+    schedule.evaluated(12.0)
+    schedule.self_play_return(230.0, now=13.0)
+    assert (EVAL, 0) not in roles(schedule.next_calls(stepped, set(), [], now=21.9))
+    assert (EVAL, 0) in roles(schedule.next_calls(stepped, set(), [], now=22.0))
+    never = Schedule(Rules(**{**RULES.__dict__, "eval_interval": 20.0}), start=0.0)  # stop_return 0: none
+    never.self_play_return(500.0, now=7.0)
+    assert (EVAL, 0) not in roles(never.next_calls(stepped, set(), [], now=19.9))
+    assert (EVAL, 0) in roles(never.next_calls(stepped, set(), [], now=20.0))
+    assert Rules.from_config(config_lib.load("cartpole"), 1, 1, 0).stop_return == 195.0
+
+
 def test_the_last_evaluation_within_the_time_limit_starts_as_late_as_it_can():
     """A 540 s limit, evaluations 60 s apart with games of at most 4,000 steps. The next evaluation is expected
     to take 1.1 x the last one's seconds a step x 1.5 its longest game (at most 4,000 steps). The last one starts

@@ -10,7 +10,9 @@ cluster (tests/test_schedule.py):
     (or until replay holds `learner.warmup_transitions`), and the ratio then counts from that point, so
     neither side starts out stalled;
   * reanalyse runs while it is behind its share (`reanalyse.fraction`) of the samples trained on;
-  * evaluation every `run.eval_interval` seconds once the learner has stepped;
+  * evaluation every `run.eval_interval` seconds once the learner has stepped, and sooner when self-play's
+    mean return over its last episodes reaches `run.stop_return` (no sooner than half an interval after the last
+    evaluation), so that a run that can stop is not kept training until the interval is up;
   * with a time limit, training stops before it for the final evaluation, which then plays the final weights
     alone on the GPU and ends by the limit: its expected length (below) at the seconds a step measured alone at
     the start, at most `run.final_eval_seconds` (and a quarter of the limit). The last evaluation during
@@ -87,6 +89,8 @@ class Rules:
     num_shards: int = 1
     temperature_schedule: tuple[tuple[int, float], ...] = ()
     eval_interval: float = 30.0
+    stop_return: float = 0.0
+    """The evaluation mean return that stops the run (0 = none): self-play reaching it brings an evaluation forward."""
     eval_max_steps: int = 0
     """Steps an evaluation's games play at most (0 = unknown)."""
     log_interval: float = 5.0
@@ -117,7 +121,7 @@ class Rules:
             slack=learner.replay_ratio * max(replay.min_size, 2 * collect_env_steps * num_selfplay),
             reanalyse_fraction=config.reanalyse.fraction, num_reanalyse=num_reanalyse, num_shards=num_shards,
             temperature_schedule=run.temperature_schedule, eval_interval=run.eval_interval,
-            eval_max_steps=run.eval_max_steps,
+            stop_return=run.stop_return, eval_max_steps=run.eval_max_steps,
             log_interval=run.log_interval, checkpoint_interval=learner.checkpoint_interval,
             time_limit=run.time_limit, final_reserve=final_reserve(run),
             final_max_steps=run.final_steps,
@@ -163,6 +167,7 @@ class Schedule:
         self.longest_eval = 0  # the last evaluation's longest game, in steps
         now = start if now is None else now
         self.next_eval = now + rules.eval_interval
+        self.last_eval_end = now - rules.eval_interval  # (none yet: an early one may start at once)
         self.eval_started = 0.0
         self.expected_eval = 0.0  # seconds the next evaluation is expected to take
         self.next_log = now + rules.log_interval
@@ -250,6 +255,14 @@ class Schedule:
         else:  # an evaluation that failed: as long as the longest expected so far
             self.expected_eval = max(self.expected_eval, EVAL_MARGIN * seconds)
         self.next_eval = now + self.rules.eval_interval
+        self.last_eval_end = now
+
+    def self_play_return(self, mean_return: float, now: float) -> None:
+        """Self-play's recent mean return (`mean_return`, exploring play) reached run.stop_return: the next
+        evaluation is due now rather than at its interval, though not sooner than half an interval after the last
+        one ended, so that a greedy agent short of the return is not evaluated back to back."""
+        if self.rules.stop_return and mean_return >= self.rules.stop_return:
+            self.next_eval = min(self.next_eval, max(now, self.last_eval_end + self.rules.eval_interval / 2))
 
     @property
     def reserve(self) -> float:

@@ -46,6 +46,9 @@ __all__ = ["Driver", "check_fresh", "check_resumable", "train"]
 log = logger(__name__)
 MAX_RESTARTS_IN_A_ROW = 5
 """Failures in a row of an evaluation or reanalyse actor (each restarted by Ray) before the run stops."""
+SELFPLAY_RETURN_EPISODES = 20
+"""Self-play's last episodes whose mean return the log shows, and which bring an evaluation forward once it
+reaches run.stop_return (Schedule.self_play_return)."""
 REWARD_ROWS = 12
 """Progress rows over which the log line counts self-play's rewards > 0 and < 0 (a minute at the default 5 s)."""
 ALONE_PROBE_STEPS, ALONE_PROBE_SECONDS, ALONE_PROBE_BLOCKS = 20, 5.0, 3
@@ -582,6 +585,9 @@ class Driver:
         self.counters.replay_transitions += result["transitions_sent"]
         self.counters.episodes += len(result["episode_returns"])
         self.train_returns.extend(result["episode_returns"])
+        if self.schedule is not None and len(self.train_returns) >= SELFPLAY_RETURN_EPISODES:  # the log's mean
+            self.schedule.self_play_return(float(np.mean(self.train_returns[-SELFPLAY_RETURN_EPISODES:])),
+                                           time.perf_counter())
         self.selfplay_rewards += (result.get("reward_sum", 0.0), result.get("rewards_positive", 0),
                                   result.get("rewards_negative", 0), result["env_steps"])
 
@@ -690,7 +696,7 @@ class Driver:
 
     def _log_progress(self, metrics: MetricsLog, handles: cluster.Handles) -> None:
         elapsed = time.perf_counter() - self.start
-        counters, recent = self.counters, self.train_returns[-20:]
+        counters, recent = self.counters, self.train_returns[-SELFPLAY_RETURN_EPISODES:]
         row = {
             "time": time.time(), "wall_seconds": self.wall_before + elapsed, "env_steps": counters.env_steps,
             "selfplay_actors_active": len(self.active), "replay_transitions": counters.replay_transitions,
