@@ -223,11 +223,11 @@ GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [
             "cpu128": [*_HOST, "search.device=cpu", "env.num_envs=128"],
             "cpu256": [*_HOST, "search.device=cpu", "env.num_envs=256"]}
 """The rows on a GPU host: the preset's envs per actor, then 16 (searches of a quarter the roots) or 128 (twice
-the roots: a whole search of 1,024 roots takes ~1.6x the time of 256, so larger searches move more env steps
-per GPU second, if the envs keep up), 200 simulations, and the trees walked on the CPU, with the preset's envs per actor and with 128 (a CPU search's
-simulation waves wait on the round trip to the inference actor, so twice the rows per wave may come near twice
-the env steps; the default rows leave it out) or 256 (the same again, where 128 left the GPU three-quarters
-idle, 25 % busy in the fifteenth session). Every row sizes self-play from the host (as many actors as the
+the roots: a whole search's time grows far slower than its roots, so larger searches move more env steps per GPU
+second, if the envs keep up), 200 simulations, and the trees walked on the CPU, with the preset's envs per actor
+and with 128 (a CPU search's simulation waves wait on the round trip to the inference actor, so twice the rows
+per wave may come near twice the env steps; the default rows leave it out) or 256 (the same again, where 128
+left the GPU mostly idle in the fifteenth session). Every row sizes self-play from the host (as many actors as the
 plan gives): the preset pins one actor, which is what its learner needs at its replay ratio, while this bench
 measures what self-play on the host can do."""
 
