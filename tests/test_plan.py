@@ -169,9 +169,10 @@ def test_reanalyse_on_a_one_gpu_host_searches_on_the_inference_actor_unless_it_h
     shared = cluster.plan(preset, {"CPU": 16.0, "GPU": 1.0})
     assert shared.reanalyse is not None and shared.reanalyse.gpus == 0 and shared.reanalyse_on_inference
     assert shared.reanalyse.count == 1 and shared.reanalyse.cpus == 0.0 and shared.selfplay.count == 12
-    laptop = cluster.plan(config_lib.load("atari"), {"CPU": 2.0})
-    assert laptop.reanalyse is not None and not laptop.reanalyse_on_inference and laptop.reanalyse.device == "cpu"
-    assert laptop.selfplay.count == 1 and laptop.cpu_shortfall(2.0) == 0.0
+    two_cores = cluster.plan(config_lib.load("atari"), {"CPU": 2.0})
+    assert two_cores.reanalyse is not None and not two_cores.reanalyse_on_inference
+    assert two_cores.reanalyse.device == "cpu"
+    assert two_cores.selfplay.count == 1 and two_cores.cpu_shortfall(2.0) == 0.0
     pinned = cluster.plan(host_atari(["reanalyse.fraction=0.25", "cluster.reanalyse_gpus=0.1",
                                       "cluster.learner_gpus=0.45", "cluster.inference_gpus=0.45",
                                       "inference.mode=central"]), {"CPU": 16.0, "GPU": 1.0})
