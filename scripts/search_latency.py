@@ -5,7 +5,7 @@ device, and times `search` requests one after another (p50 and p99 of the round 
 It prints a table and writes JSON with machine, versions and date.
 
     python3 scripts/search_latency.py [--preset atari] [--rows 1,10,32] [--requests 200] [--json PATH] \
-        [--variants "plain;compile_recurrent=true;simulations=16"]
+        [--variants "plain;compile_recurrent=true;simulations=16;virtual_loss=4"]
 """
 from __future__ import annotations
 
@@ -24,31 +24,36 @@ from rayzero.envs import env_spec
 from rayzero.inference import InferenceServer
 
 
-def variant_config(base: InferenceConfig, spec: str) -> tuple[InferenceConfig, int]:
+def variant_config(base: InferenceConfig, spec: str) -> tuple[InferenceConfig, int, int]:
     """`plain`, or `field=value[,field=value]` over the preset's inference section; `simulations=N` sets the
-    searches' simulations (0 in the result: the preset's), as run.eval_simulations does for an evaluation."""
+    searches' simulations (0 in the result: the preset's), as run.eval_simulations does for an evaluation;
+    `virtual_loss=K` the search's paths per wave (0: the preset's)."""
     if spec == "plain":
-        return base, 0
+        return base, 0, 0
     fields = {f.name: f for f in dataclasses.fields(InferenceConfig)}
-    changes, simulations = {}, 0
+    changes, simulations, virtual_loss = {}, 0, 0
     for item in spec.split(","):
         name, _, value = item.partition("=")
         if name == "simulations":
             simulations = int(value)
             continue
+        if name == "virtual_loss":
+            virtual_loss = int(value)
+            continue
         if name not in fields:
             raise SystemExit(f"variant {spec!r}: inference has no field {name!r}; valid: {', '.join(fields)}")
         kind = type(getattr(base, name))
         changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    return dataclasses.replace(base, **changes), simulations
+    return dataclasses.replace(base, **changes), simulations, virtual_loss
 
 
 def time_variant(config: config_lib.Config, inference: InferenceConfig, rows: list[int], requests: int,
-                 simulations: int = 0) -> dict:
+                 simulations: int = 0, virtual_loss: int = 0) -> dict:
     spec = env_spec(config.env)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     search_cfg = dataclasses.replace(config.search, dirichlet_fraction=0.0, temperature=0.0,  # greedy: evaluation
-                                     num_simulations=simulations or config.search.num_simulations)
+                                     num_simulations=simulations or config.search.num_simulations,
+                                     virtual_loss=virtual_loss or config.search.virtual_loss)
     started = time.perf_counter()
     srv = InferenceServer(config.model, dataclasses.replace(inference, device=device, max_batch=max(64, 2 * max(rows))),
                           spec.observation_shape, spec.num_actions, seed=0, search_cfg=search_cfg,
@@ -82,8 +87,8 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     results = {}
     for spec in args.variants.split(";"):
-        inference, simulations = variant_config(config.inference, spec)
-        results[spec] = time_variant(config, inference, rows, args.requests, simulations)
+        inference, simulations, virtual_loss = variant_config(config.inference, spec)
+        results[spec] = time_variant(config, inference, rows, args.requests, simulations, virtual_loss)
         print(f"{spec}: ready in {results[spec]['ready_s']:.1f} s", flush=True)
     print(f"{'variant':32s} {'rows':>5s} {'p50 ms':>8s} {'p99 ms':>8s} {'device ms':>10s}")
     for spec, result in results.items():
