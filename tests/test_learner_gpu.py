@@ -371,25 +371,36 @@ def _small_image_replay(**replay_options) -> ReplayBuffer:
     return replay
 
 
-def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it():
+def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it(monkeypatch):
     """learner.step_graph over the step compiled in inductor's 'default' mode (no CUDA graphs of its own): once the
     compiled step's first updates are watched and checked, one graph replays the compiled kernels, the side steps
-    and the optimizer; its updates equal the same compiled step's without the graph."""
+    and the optimizer; each of its updates moves the weights as the same compiled step's without the graph from the
+    same state. Update by update, as the Atari-size test above: as 10-update trajectories at lr 0.1 a 5e-5
+    difference in the first graph update's gradient norm grew to 6 % by the third (an H100, thirty-first session)."""
     model = SMALL_RESNET
     base = dict(batch_size=32, device="cuda", compile=True, compile_mode="default", compile_check_steps=2,
                 target_update_interval=3, consistency_weight=2.0, consistency_dim=32, optimizer="sgd", lr=0.1,
                 lr_warmup_steps=6, background_compile=False)
     replay = _small_image_replay(bootstrap_obs=True, next_obs=True)
     batches = [replay.sample(32) for _ in range(10)]
-    runs = {}
-    for graphed in (False, True):
-        learner = Learner(model, LearnerConfig(**base, step_graph=graphed), (3, 32, 32), 4, seed=0)
-        runs[graphed] = ([learner.step(b)[0] for b in batches], learner.graph_updates, learner.compile_state)
-    (plain, none, state), (graph, replays, graph_state) = runs[False], runs[True]
-    assert none == 0 and replays == len(batches) - 3 and state == graph_state == "on:default"
-    for name in ("loss", "grad_norm", "value_loss", "consistency_loss"):  # tolerance: the Atari-size test's
-        np.testing.assert_allclose([m[name] for m in graph], [m[name] for m in plain], rtol=2e-2, atol=1e-4,
-                                   err_msg=name)
+    learners = [Learner(model, LearnerConfig(**base, step_graph=graphed), (3, 32, 32), 4, seed=0)
+                for graphed in (True, False)]
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    graphed, plain = learners
+    for number, batch in enumerate(batches, 1):
+        _take_state(plain, graphed)
+        before = [p.detach().float().clone() for p in _trained(graphed)]
+        metrics = [learner.step(batch)[0] for learner in learners]
+        graph_moves, plain_moves = (torch.cat([(p.detach().float() - b).flatten()
+                                               for p, b in zip(_trained(learner), before)]) for learner in learners)
+        apart = ((graph_moves - plain_moves).norm() / plain_moves.norm()).item()
+        assert apart < 0.05, f"update {number}: the graph's update is {apart:.1%} of the plain one's away from it"
+        for name in ("loss", "grad_norm", "value_loss", "consistency_loss"):
+            np.testing.assert_allclose(metrics[0][name], metrics[1][name], rtol=5e-3, atol=1e-4,
+                                       err_msg=f"{name}, update {number}")
+    assert plain.graph_updates == 0 and graphed.graph_updates == len(batches) - 3
+    assert graphed.compile_state == plain.compile_state == "on:default"
 
 
 def test_a_learner_in_a_thread_of_its_own_trains_compiled_under_the_step_graph():
