@@ -277,6 +277,25 @@ def _trained(learner: Learner) -> list[torch.Tensor]:
     return [p for group in learner.optimizer.param_groups for p in group["params"]]
 
 
+def _update_by_update(graphed: Learner, twin: Learner, batches: list, names: tuple[str, ...]) -> None:
+    """Before each batch the twin takes the graph learner's whole state, both update on it: the graph's update
+    must move the weights within 5 % of the twin's, and the metrics `names` agree within 0.5 %. The capture and
+    its replays sum in another order (the capture's gradient norm 1e-3 off eager's on an H100)."""
+    for number, batch in enumerate(batches, 1):
+        _take_state(twin, graphed)
+        # Detached: a copy made with autograd on would keep the parameters' AccumulateGrad nodes alive, made on the
+        # default stream, and the capture on a side stream then fails (an H100, twenty-ninth session).
+        before = [p.detach().float().clone() for p in _trained(graphed)]
+        metrics = [learner.step(batch)[0] for learner in (graphed, twin)]
+        graph_moves, twin_moves = (torch.cat([(p.detach().float() - b).flatten()
+                                              for p, b in zip(_trained(learner), before)]) for learner in (graphed, twin))
+        apart = ((graph_moves - twin_moves).norm() / twin_moves.norm()).item()
+        assert apart < 0.05, f"update {number}: the graph's update is {apart:.1%} of the twin's away from it"
+        for name in names:
+            np.testing.assert_allclose(metrics[0][name], metrics[1][name], rtol=5e-3, atol=1e-4,
+                                       err_msg=f"{name}, update {number}")
+
+
 def test_the_step_graph_updates_as_the_eager_step_at_the_atari_size(monkeypatch):
     """learner.step_graph: each update of the `atari` preset's eager step (target network, consistency targets, SGD
     with momentum, bf16) replayed as one CUDA graph moves the weights as an eager learner's update from the same
@@ -295,20 +314,7 @@ def test_the_step_graph_updates_as_the_eager_step_at_the_atari_size(monkeypatch)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)  # the learners turned it on
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     graphed, twin = learners
-    for number, batch in enumerate(batches, 1):
-        _take_state(twin, graphed)
-        # Detached: a copy made with autograd on would keep the parameters' AccumulateGrad nodes alive, made on the
-        # default stream, and the capture on a side stream then fails (an H100, twenty-ninth session).
-        before = [p.detach().float().clone() for p in _trained(graphed)]
-        metrics = [learner.step(batch)[0] for learner in learners]
-        graph_moves, eager_moves = (torch.cat([(p.detach().float() - b).flatten()
-                                               for p, b in zip(_trained(learner), before)]) for learner in learners)
-        apart = ((graph_moves - eager_moves).norm() / eager_moves.norm()).item()
-        # The capture and its replays sum in another order than eager (the capture's gradient norm 1e-3 off on an H100).
-        assert apart < 0.05, f"update {number}: the graph's update is {apart:.1%} of eager's away from it"
-        for name in ("loss", "grad_norm", "value_loss"):
-            np.testing.assert_allclose(metrics[0][name], metrics[1][name], rtol=5e-3, atol=1e-4,
-                                       err_msg=f"{name}, update {number}")
+    _update_by_update(graphed, twin, batches, ("loss", "grad_norm", "value_loss"))
     assert graphed.graph_updates == len(batches) - 2 and twin.graph_updates == 0  # two eager updates, then the graph
 
 
@@ -388,17 +394,7 @@ def test_the_step_graph_over_a_default_mode_compile_trains_as_without_it(monkeyp
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     graphed, plain = learners
-    for number, batch in enumerate(batches, 1):
-        _take_state(plain, graphed)
-        before = [p.detach().float().clone() for p in _trained(graphed)]
-        metrics = [learner.step(batch)[0] for learner in learners]
-        graph_moves, plain_moves = (torch.cat([(p.detach().float() - b).flatten()
-                                               for p, b in zip(_trained(learner), before)]) for learner in learners)
-        apart = ((graph_moves - plain_moves).norm() / plain_moves.norm()).item()
-        assert apart < 0.05, f"update {number}: the graph's update is {apart:.1%} of the plain one's away from it"
-        for name in ("loss", "grad_norm", "value_loss", "consistency_loss"):
-            np.testing.assert_allclose(metrics[0][name], metrics[1][name], rtol=5e-3, atol=1e-4,
-                                       err_msg=f"{name}, update {number}")
+    _update_by_update(graphed, plain, batches, ("loss", "grad_norm", "value_loss", "consistency_loss"))
     assert plain.graph_updates == 0 and graphed.graph_updates == len(batches) - 3
     assert graphed.compile_state == plain.compile_state == "on:default"
 
