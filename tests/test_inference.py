@@ -823,6 +823,12 @@ def test_selfplay_in_halves_through_ray(whole_search):
         assert len(worker.halves) == 2 and worker.threaded == (not whole_search)
         result = worker.collect(30, temperature=1.0)
         assert result["env_steps"] == 90 and result["transitions_sent"] > 0 and len(result["step_seconds"]) == 30
+        # Where the steps went (bench selfplay's breakdown): the search and the envs are both timed, and the
+        # phases fit inside the steps (the pipelined mode's first submit of each half is before the first step).
+        phases = result["phase_seconds"]
+        assert set(phases) == {"search", "env", "record", "submit"} and phases["search"] > 0 and phases["env"] > 0
+        assert (phases["submit"] > 0) == whole_search
+        assert sum(phases.values()) <= sum(result["step_seconds"]) * 1.01
         batch = replay.sample(8)
         np.testing.assert_allclose(batch.target_policies[:, 0].sum(-1), 1.0, rtol=1e-5)
         # CartPole observations follow from each other: within a stored segment, no step is lost or repeated.

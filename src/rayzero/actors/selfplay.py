@@ -37,6 +37,11 @@ from rayzero.replay.buffer import Segment
 from rayzero.tree import SearchConfig
 
 
+PHASES = ("search", "env", "record", "submit")
+"""Where a collect's time goes: the search (waiting for a whole search's answer, or walking the trees here),
+stepping the envs, recording steps and cutting segments, sending the next whole search (GPU search)."""
+
+
 class SelfPlayWorker:
     def __init__(
         self,
@@ -97,6 +102,8 @@ class SelfPlayWorker:
         # Games whose episodes outlast a run's minutes (Pong at 64 envs) finish none; these show how play goes.
         self._rewards = np.zeros(3, dtype=np.float64)
         self._network_lost = ""  # set by a step whose bootstrap evaluation found the inference actor dead
+        # Where the collect in progress spends its time (seconds, PHASES), for `rayzero bench selfplay`.
+        self._phases = dict.fromkeys(PHASES, 0.0)
         self.last_deliveries: list[tuple[int, bool]] = []  # the last collect's segments: (positions, reached replay)
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
@@ -152,28 +159,37 @@ class SelfPlayWorker:
             return self._step_pipelined(temperature)
         half = self.halves[0]
         if getattr(self.evaluator, "whole_search", False):
+            t0 = time.perf_counter()
             answer = self.evaluator.search(half.obs, temperature)
+            self._phases["search"] += time.perf_counter() - t0
             self.version = int(answer.get("version", self.version))  # the weights the inference actor acted with
             return self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
         config = dataclasses.replace(self.search_cfg, temperature=temperature)
+        t0 = time.perf_counter()
         out = search_observations(self.evaluator, half.obs, config, half.generator)
+        self._phases["search"] += time.perf_counter() - t0
         return self._advance(half, out.action.cpu().numpy(), out.action_weights.float().cpu().numpy(),
                              out.root_value.float().cpu().numpy())
 
     def _step_pipelined(self, temperature: float) -> list[Segment]:
         """Each half in turn: collect its search, step its envs, send its next search. The other half's search
         is in flight on the inference actor meanwhile; searches stay in flight between calls."""
+        phases, clock = self._phases, time.perf_counter
         for slot, half in enumerate(self.halves):
             if not half.searching:
                 self.evaluator.submit_search(half.obs, temperature, slot)
                 half.searching = True
         segments = []
         for slot, half in enumerate(self.halves):
+            t0 = clock()
             answer = self.evaluator.wait_search(slot)
+            phases["search"] += clock() - t0
             half.searching = False
             self.version = int(answer.get("version", self.version))
             segments += self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
+            t0 = clock()
             self.evaluator.submit_search(half.obs, temperature, slot)
+            phases["submit"] += clock() - t0
             half.searching = True
         return segments
 
@@ -182,11 +198,13 @@ class SelfPlayWorker:
         both step their envs."""
         config = dataclasses.replace(self.search_cfg, temperature=temperature)
         first, second = self.halves
+        t0 = time.perf_counter()
         future = self._pool.submit(search_observations, second.network, second.obs, config, second.generator)
         try:
             first_out = search_observations(first.network, first.obs, config, first.generator)
         finally:  # the second half's search ends (or fails) before anything else touches its state
             wait_futures([future])
+        self._phases["search"] += time.perf_counter() - t0
         outs = [first_out, future.result()]
         segments = []
         for half, out in zip(self.halves, outs):
@@ -197,13 +215,17 @@ class SelfPlayWorker:
     def _advance(self, half: _Half, actions: np.ndarray, policy: np.ndarray,
                  root_value: np.ndarray) -> list[Segment]:
         """Record one searched step of `half`'s envs, step them, and cut the segments that this completes."""
+        began = time.perf_counter()
         rows = half.rows
         t = self.length[rows]
         self.buf_obs[rows, t] = half.obs
         self.buf_action[rows, t] = actions
         self.buf_policy[rows, t] = policy
         self.buf_value[rows, t] = root_value
+        t0 = time.perf_counter()
         result = half.env.step(actions)
+        env_s = time.perf_counter() - t0
+        self._phases["env"] += env_s
         self.buf_action[rows, t] = result.actions  # the env's FIRE where `env.fire_reset` pressed it
         self.buf_reward[rows, t] = result.reward
         self._rewards += (float(result.reward.sum()), int((result.reward > 0).sum()), int((result.reward < 0).sum()))
@@ -245,6 +267,7 @@ class SelfPlayWorker:
             self.emit_at[env] = self.window
         self._last_episodes[0].extend(result.episode_returns)
         self._last_episodes[1].extend(result.episode_lengths)
+        self._phases["record"] += time.perf_counter() - began - env_s
         return segments
 
     def collect(
@@ -263,6 +286,7 @@ class SelfPlayWorker:
         step_seconds: list[float] = []
         inference_lost = ""
         self._rewards[:] = 0.0
+        self._phases = dict.fromkeys(PHASES, 0.0)
         for _ in range(num_steps):
             began = time.perf_counter()
             try:
@@ -297,6 +321,7 @@ class SelfPlayWorker:
             "version": self.version,
             "seconds": time.perf_counter() - start,
             "step_seconds": step_seconds,  # each batched step: the time every env waited for its next action
+            "phase_seconds": dict(self._phases),  # where those steps went (PHASES)
         }
         if inference_lost:
             result["inference_lost"] = inference_lost

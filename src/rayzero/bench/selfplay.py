@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rayzero import config as config_lib
-from rayzero.actors.selfplay import SelfPlayWorker
+from rayzero.actors.selfplay import PHASES, SelfPlayWorker
 from rayzero.bench.common import write_json
 from rayzero.envs import make_vector_env
 
@@ -100,21 +100,35 @@ def _percentiles(seconds: list[float]) -> dict[str, float]:
 
 
 def _run_actors(actors: list[Any], seconds: float, steps_per_call: int) -> dict[str, Any]:
-    """Keep every actor collecting for `seconds`; env steps, per-step latencies and the wall time they took."""
+    """Keep every actor collecting for `seconds`; env steps, per-step latencies, where the actors' collects spent
+    their time (PHASES, summed over actors) and the wall time they took."""
     import ray
 
     start = time.perf_counter()
     pending = {a.collect.remote(steps_per_call, 1.0, None): a for a in actors}
-    env_steps, step_seconds = 0, []
+    env_steps, step_seconds, phases = 0, [], dict.fromkeys(PHASES, 0.0)
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         actor = pending.pop(ready[0])
         result = ray.get(ready[0])
         env_steps += result["env_steps"]
         step_seconds += result["step_seconds"]
+        for name, value in result.get("phase_seconds", {}).items():
+            phases[name] += value
         if time.perf_counter() - start < seconds:
             pending[actor.collect.remote(steps_per_call, 1.0, None)] = actor
-    return {"env_steps": env_steps, "seconds": time.perf_counter() - start, "step_seconds": step_seconds}
+    return {"env_steps": env_steps, "seconds": time.perf_counter() - start, "step_seconds": step_seconds,
+            "phase_seconds": phases}
+
+
+def _phase_shares(phases: dict[str, float], steps: int, halves: int) -> dict[str, float]:
+    """Each phase's share of the actors' time, and the ms per half-step of each (a half's turnaround from its
+    answer to its next request is env + record + submit)."""
+    total = sum(phases.values())
+    out = {f"{name}_share": value / total if total else 0.0 for name, value in phases.items()}
+    out.update({f"{name}_ms_per_half_step": 1e3 * value / (steps * halves) if steps else 0.0
+                for name, value in phases.items()})
+    return out
 
 
 def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> float:
@@ -201,6 +215,9 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         "env_steps_per_second": rate, "frames_per_second": rate * (cfg.env.frame_skip if cfg.env.is_atari else 1),
         "ceiling_env_steps_per_second": ceiling, "ratio_to_ceiling": rate / ceiling if ceiling else None,
         "step_latency": _percentiles(run["step_seconds"]), "one_env_latency": _percentiles(single["step_seconds"]),
+        "actor_time": _phase_shares(run["phase_seconds"], len(run["step_seconds"]),
+                                    2 if p.inference is not None and cfg.env.num_envs >= 2 else 1),
+        "one_env_time": _phase_shares(single.get("phase_seconds", {}), len(single["step_seconds"]), 1),
         "gpu": GpuMonitor.summarize(samples, t0, t1),
         "energy_j_per_env_step": (energy - energy0) / run["env_steps"] if energy is not None and energy0 is not None
         else None,
@@ -214,6 +231,11 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
           f"step p50 {lat.get('p50_ms', 0):6.1f} p99 {lat.get('p99_ms', 0):6.1f} ms  "
           f"one env p50 {one.get('p50_ms', 0):5.1f} ms  GPU {row['gpu'].get('util_mean', float('nan')):5.1f} %",
           flush=True)
+    for name in ("actor_time", "one_env_time"):
+        t = row[name]
+        print(f"  {name:12s} " + "  ".join(f"{phase} {t.get(phase + '_share', 0):4.0%} "
+                                           f"({t.get(phase + '_ms_per_half_step', 0):.2f} ms)" for phase in PHASES),
+              flush=True)
     return row
 
 
