@@ -225,6 +225,7 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     }
     if after is not None:
         row["batches"] = _batch_fill(after, before)
+        row["lane_batches"] = [n - m for n, m in zip(after.get("lane_batches", []), before.get("lane_batches", []))]
     lat, one = row["step_latency"], row["one_env_latency"]
     print(f"served {preset:8s} sims {row['simulations']:3d}  {row['actors']:2d} x {row['envs_per_actor']:3d} envs  "
           f"{rate:8,.0f} env steps/s  ceiling {ceiling:8,.0f} ({row['ratio_to_ceiling']:.0%})  "
