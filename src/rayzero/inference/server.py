@@ -143,18 +143,15 @@ class InferenceServer:
                                                    num_simulations=eval_simulations or self.search_cfg.num_simulations)
         self.eval_runner = (self._eval_runner(model_cfg, eval_rows, discount, seed)
                             if cfg.pinned_eval and eval_rows > 0 else None)
-        # inference.search_lanes: the served runner first, then one runner per further lane, for whole searches.
-        lanes = cfg.search_lanes if self.runner.search_ladder else 1
-        self.lanes = [self.runner] + [self._lane_runner(model_cfg, discount, seed + 2 + i) for i in range(lanes - 1)]
-        self._lane_unfinished = [0] * len(self.lanes)  # GPU thread: batches launched on each and not finished
-        self._lane_launched = [0.0] * len(self.lanes)  # GPU thread: when each last had a batch launched
-        self.lane_batches = [0] * len(self.lanes)  # batches launched on each
+        self._init_lanes(model_cfg, discount, seed)
         self.eval_version = 0
         if cuda:  # where a run's start goes (its first update waits for this actor)
-            log.info("inference actor up in %.1f s: %d network graphs and %d whole searches captured in %.1f s%s",
+            log.info("inference actor up in %.1f s: %d network graphs and %d whole searches captured in %.1f s%s%s",
                      time.perf_counter() - started, len(self.runner.graphs), len(self.runner.searches),
                      self.runner.capture_s, "" if self.eval_runner is None else
-                     f", the evaluation network's {len(self.eval_runner.searches)} in {self.eval_runner.capture_s:.1f} s")
+                     f", the evaluation network's {len(self.eval_runner.searches)} in {self.eval_runner.capture_s:.1f} s",
+                     "" if len(self.lanes) == 1 else f", {len(self.lanes) - 1} more search lanes in "
+                     f"{sum(lane.capture_s for lane in self.lanes[1:]):.1f} s")
         self._pinned_clients: set[str] = set()
         self._queues: dict[Any, collections.deque[_Request]] = {}
         self._queued_rows: collections.Counter = collections.Counter()
@@ -197,6 +194,14 @@ class InferenceServer:
         self._wave_requests_n = 0
         self._wave_overloaded = 0
         self._wave_peak_rows = 0
+
+    def _init_lanes(self, model_cfg: ModelConfig, discount: float, seed: int) -> None:
+        """inference.search_lanes: the served runner first, then one runner per further lane, for whole searches."""
+        lanes = self.cfg.search_lanes if self.runner.search_ladder else 1
+        self.lanes = [self.runner] + [self._lane_runner(model_cfg, discount, seed + 2 + i) for i in range(lanes - 1)]
+        self._lane_unfinished = [0] * len(self.lanes)  # GPU thread: batches launched on each and not finished
+        self._lane_launched = [0.0] * len(self.lanes)  # GPU thread: when each last had a batch launched
+        self.lane_batches = [0] * len(self.lanes)  # batches launched on each
 
     def _lane_runner(self, model_cfg: ModelConfig, discount: float, seed: int) -> Runner:
         """A further search lane: a copy of the served network with its own stream, buffers and whole-search
