@@ -40,6 +40,10 @@ from rayzero.tree import SearchConfig
 PHASES = ("search", "env", "record", "submit")
 """Where a collect's time goes: the search (waiting for a whole search's answer, or walking the trees here),
 stepping the envs, recording steps and cutting segments, sending the next whole search (GPU search)."""
+SEARCH_PARTS = ("queued", "device")
+"""Of the whole searches waited for: the time their requests queued in the inference actor before launch, and
+their batches' device time, as the answers report them. With one env (no halves) the rest of the search phase is
+transport and host work; with halves a search also runs while the other half steps, so these may exceed it."""
 
 
 class SelfPlayWorker:
@@ -103,7 +107,7 @@ class SelfPlayWorker:
         self._rewards = np.zeros(3, dtype=np.float64)
         self._network_lost = ""  # set by a step whose bootstrap evaluation found the inference actor dead
         # Where the collect in progress spends its time (seconds, PHASES), for `rayzero bench selfplay`.
-        self._phases = dict.fromkeys(PHASES, 0.0)
+        self._phases = dict.fromkeys(PHASES + SEARCH_PARTS, 0.0)
         self.last_deliveries: list[tuple[int, bool]] = []  # the last collect's segments: (positions, reached replay)
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
@@ -162,6 +166,7 @@ class SelfPlayWorker:
             t0 = time.perf_counter()
             answer = self.evaluator.search(half.obs, temperature)
             self._phases["search"] += time.perf_counter() - t0
+            self._search_parts(answer)
             self.version = int(answer.get("version", self.version))  # the weights the inference actor acted with
             return self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
         config = dataclasses.replace(self.search_cfg, temperature=temperature)
@@ -184,6 +189,7 @@ class SelfPlayWorker:
             t0 = clock()
             answer = self.evaluator.wait_search(slot)
             phases["search"] += clock() - t0
+            self._search_parts(answer)
             half.searching = False
             self.version = int(answer.get("version", self.version))
             segments += self._advance(half, answer["action"], answer["action_weights"], answer["root_value"])
@@ -192,6 +198,10 @@ class SelfPlayWorker:
             phases["submit"] += clock() - t0
             half.searching = True
         return segments
+
+    def _search_parts(self, answer: dict[str, Any]) -> None:
+        self._phases["queued"] += answer.get("queue_ms", 0.0) / 1e3
+        self._phases["device"] += answer.get("device_ms", 0.0) / 1e3
 
     def _step_threaded(self, temperature: float) -> list[Segment]:
         """Both halves search at once (the second in the pool's thread), each through its own network, then
@@ -286,7 +296,7 @@ class SelfPlayWorker:
         step_seconds: list[float] = []
         inference_lost = ""
         self._rewards[:] = 0.0
-        self._phases = dict.fromkeys(PHASES, 0.0)
+        self._phases = dict.fromkeys(PHASES + SEARCH_PARTS, 0.0)
         for _ in range(num_steps):
             began = time.perf_counter()
             try:
@@ -321,7 +331,7 @@ class SelfPlayWorker:
             "version": self.version,
             "seconds": time.perf_counter() - start,
             "step_seconds": step_seconds,  # each batched step: the time every env waited for its next action
-            "phase_seconds": dict(self._phases),  # where those steps went (PHASES)
+            "phase_seconds": dict(self._phases),  # where those steps went (PHASES, and SEARCH_PARTS of the search)
         }
         if inference_lost:
             result["inference_lost"] = inference_lost

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rayzero import config as config_lib
-from rayzero.actors.selfplay import PHASES, SelfPlayWorker
+from rayzero.actors.selfplay import PHASES, SEARCH_PARTS, SelfPlayWorker
 from rayzero.bench.common import write_json
 from rayzero.envs import make_vector_env
 
@@ -106,7 +106,7 @@ def _run_actors(actors: list[Any], seconds: float, steps_per_call: int) -> dict[
 
     start = time.perf_counter()
     pending = {a.collect.remote(steps_per_call, 1.0, None): a for a in actors}
-    env_steps, step_seconds, phases = 0, [], dict.fromkeys(PHASES, 0.0)
+    env_steps, step_seconds, phases = 0, [], dict.fromkeys(PHASES + SEARCH_PARTS, 0.0)
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         actor = pending.pop(ready[0])
@@ -114,7 +114,7 @@ def _run_actors(actors: list[Any], seconds: float, steps_per_call: int) -> dict[
         env_steps += result["env_steps"]
         step_seconds += result["step_seconds"]
         for name, value in result.get("phase_seconds", {}).items():
-            phases[name] += value
+            phases[name] = phases.get(name, 0.0) + value
         if time.perf_counter() - start < seconds:
             pending[actor.collect.remote(steps_per_call, 1.0, None)] = actor
     return {"env_steps": env_steps, "seconds": time.perf_counter() - start, "step_seconds": step_seconds,
@@ -123,9 +123,9 @@ def _run_actors(actors: list[Any], seconds: float, steps_per_call: int) -> dict[
 
 def _phase_shares(phases: dict[str, float], steps: int, halves: int) -> dict[str, float]:
     """Each phase's share of the actors' time, and the ms per half-step of each (a half's turnaround from its
-    answer to its next request is env + record + submit)."""
-    total = sum(phases.values())
-    out = {f"{name}_share": value / total if total else 0.0 for name, value in phases.items()}
+    answer to its next request is env + record + submit; the search's queued and device parts as well)."""
+    total = sum(phases.get(name, 0.0) for name in PHASES)
+    out = {f"{name}_share": phases[name] / total if total else 0.0 for name in PHASES if name in phases}
     out.update({f"{name}_ms_per_half_step": 1e3 * value / (steps * halves) if steps else 0.0
                 for name, value in phases.items()})
     return out
@@ -235,8 +235,9 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     for name in ("actor_time", "one_env_time"):
         t = row[name]
         print(f"  {name:12s} " + "  ".join(f"{phase} {t.get(phase + '_share', 0):4.0%} "
-                                           f"({t.get(phase + '_ms_per_half_step', 0):.2f} ms)" for phase in PHASES),
-              flush=True)
+                                           f"({t.get(phase + '_ms_per_half_step', 0):.2f} ms)" for phase in PHASES)
+              + "  (search: queued " + "  device ".join(f"{t.get(part + '_ms_per_half_step', 0):.2f}"
+                                                          for part in SEARCH_PARTS) + " ms)", flush=True)
     return row
 
 
