@@ -1,7 +1,7 @@
 """Do whole searches on concurrent CUDA streams move more roots per second than one after another?
 
-Issue 11's self-play is bound by the GPU's whole searches: ~20 ms for 256 roots, 32 ms for 1,024, 14 ms for 16, so
-most of a search is a chain of small kernels, each leaving most of the GPU idle. If searches on L streams overlap,
+Issue 11's self-play is bound by the GPU's whole searches, whose time grows far slower than their roots
+(docs/benchmarks.md), so most of a search is a chain of small kernels, each leaving most of the GPU idle. If searches on L streams overlap,
 the inference actor could keep L searches in flight ("lanes") instead of one. This measures the hypothesis before
 anything is built: L inference runners (runner.py), each with its own copy of the preset's network, stream,
 static buffers, memory pool and whole-search graph of one bucket, run `--rounds` rounds; in each round every lane
