@@ -32,14 +32,11 @@ def lane_runners(config: config_lib.Config, bucket: int, lanes: int) -> list[Run
     spec = env_spec(config.env)
     cfg = dataclasses.replace(config.inference, device="cuda", max_batch=bucket, min_bucket=bucket,
                               search_max_batch=bucket, latent_pool_size=bucket, cache_size=0, merge_searches=False)
-    first = build_model(config.model, spec.observation_shape, spec.num_actions).cuda().eval()
-    runners = []
-    for lane in range(lanes):
-        model = build_model(config.model, spec.observation_shape, spec.num_actions).cuda().eval()
-        model.load_state_dict(first.state_dict())
-        runners.append(Runner(model, cfg, spec.observation_shape, spec.observation_dtype, spec.num_actions,
-                              [bucket], config.search, config.replay.discount, seed=lane))
-    return runners
+    models = [build_model(config.model, spec.observation_shape, spec.num_actions).cuda().eval() for _ in range(lanes)]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    return [Runner(model, cfg, spec.observation_shape, spec.observation_dtype, spec.num_actions, [bucket],
+                   config.search, config.replay.discount, seed=lane) for lane, model in enumerate(models)]
 
 
 @torch.no_grad()

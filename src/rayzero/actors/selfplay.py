@@ -332,6 +332,7 @@ class SelfPlayWorker:
             "seconds": time.perf_counter() - start,
             "step_seconds": step_seconds,  # each batched step: the time every env waited for its next action
             "phase_seconds": dict(self._phases),  # where those steps went (PHASES, and SEARCH_PARTS of the search)
+            "half_steps": len(step_seconds) * len(self.halves),  # the halves' steps those seconds are over
         }
         if inference_lost:
             result["inference_lost"] = inference_lost

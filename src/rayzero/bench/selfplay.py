@@ -106,27 +106,30 @@ def _run_actors(actors: list[Any], seconds: float, steps_per_call: int) -> dict[
 
     start = time.perf_counter()
     pending = {a.collect.remote(steps_per_call, 1.0, None): a for a in actors}
-    env_steps, step_seconds, phases = 0, [], dict.fromkeys(PHASES + SEARCH_PARTS, 0.0)
+    env_steps, step_seconds, half_steps, phases = 0, [], 0, dict.fromkeys(PHASES + SEARCH_PARTS, 0.0)
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         actor = pending.pop(ready[0])
         result = ray.get(ready[0])
         env_steps += result["env_steps"]
         step_seconds += result["step_seconds"]
-        for name, value in result.get("phase_seconds", {}).items():
-            phases[name] = phases.get(name, 0.0) + value
+        half_steps += result["half_steps"]
+        for name, value in result["phase_seconds"].items():
+            phases[name] += value
         if time.perf_counter() - start < seconds:
             pending[actor.collect.remote(steps_per_call, 1.0, None)] = actor
     return {"env_steps": env_steps, "seconds": time.perf_counter() - start, "step_seconds": step_seconds,
-            "phase_seconds": phases}
+            "phase_seconds": phases, "half_steps": half_steps}
 
 
-def _phase_shares(phases: dict[str, float], steps: int, halves: int) -> dict[str, float]:
-    """Each phase's share of the actors' time, and the ms per half-step of each (a half's turnaround from its
-    answer to its next request is env + record + submit; the search's queued and device parts as well)."""
-    total = sum(phases.get(name, 0.0) for name in PHASES)
-    out = {f"{name}_share": phases[name] / total if total else 0.0 for name in PHASES if name in phases}
-    out.update({f"{name}_ms_per_half_step": 1e3 * value / (steps * halves) if steps else 0.0
+def _phase_shares(result: dict[str, Any]) -> dict[str, float]:
+    """Of collects' `result`: each phase's share of the actors' time, and the ms per half-step of each (a half's
+    turnaround from its answer to its next request is env + record + submit; the search's queued and device parts
+    as well)."""
+    phases, half_steps = result["phase_seconds"], result["half_steps"]
+    total = sum(phases[name] for name in PHASES)
+    out = {f"{name}_share": phases[name] / total if total else 0.0 for name in PHASES}
+    out.update({f"{name}_ms_per_half_step": 1e3 * value / half_steps if half_steps else 0.0
                 for name, value in phases.items()})
     return out
 
@@ -215,9 +218,7 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         "env_steps_per_second": rate, "frames_per_second": rate * (cfg.env.frame_skip if cfg.env.is_atari else 1),
         "ceiling_env_steps_per_second": ceiling, "ratio_to_ceiling": rate / ceiling if ceiling else None,
         "step_latency": _percentiles(run["step_seconds"]), "one_env_latency": _percentiles(single["step_seconds"]),
-        "actor_time": _phase_shares(run["phase_seconds"], len(run["step_seconds"]),
-                                    2 if p.inference is not None and cfg.env.num_envs >= 2 else 1),
-        "one_env_time": _phase_shares(single.get("phase_seconds", {}), len(single["step_seconds"]), 1),
+        "actor_time": _phase_shares(run), "one_env_time": _phase_shares(single),
         "gpu": GpuMonitor.summarize(samples, t0, t1),
         "energy_j_per_env_step": (energy - energy0) / run["env_steps"] if energy is not None and energy0 is not None
         else None,
