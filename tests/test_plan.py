@@ -7,6 +7,7 @@ import pytest
 
 from rayzero import cluster
 from rayzero import config as config_lib
+from rayzero.cluster.build import selfplay_env
 from rayzero.config import ConfigError
 
 
@@ -122,7 +123,8 @@ def test_the_plan_prints_as_a_table_and_saves_as_json():
     assert [line.split()[0] for line in lines[1:7]] == ["replay", "learner", "selfplay", "evaluation", "inference",
                                                         "reanalyse"]
     # The preset asks for the colocated learner; with a GPU each, the plan says why it is off.
-    assert lines[7:] == ["(cluster.colocate_learner not applied: the learner (1) and the inference actor (1) have "
+    assert lines[7:] == ["(self-play vector envs step on 2 threads each: env.num_threads)",
+                         "(cluster.colocate_learner not applied: the learner (1) and the inference actor (1) have "
                          "GPUs of their own here)"]
     document = json.loads(json.dumps(plan.as_dict()))
     assert document["inference"]["device"] == "cuda" and document["selfplay"]["envs"] == 64
@@ -179,3 +181,23 @@ def test_reanalyse_on_a_one_gpu_host_searches_on_the_inference_actor_unless_it_h
     assert pinned.reanalyse.gpus == 0.1 and not pinned.reanalyse_on_inference
     laptop = cluster.plan(config_lib.load("cartpole", ["reanalyse.fraction=0.25"]), {"CPU": 2.0})
     assert not laptop.reanalyse_on_inference  # no whole searches: the worker runs its own network
+
+
+def test_self_play_vector_envs_get_the_cpus_over_the_actors():
+    """env.num_threads=0: each self-play actor's vector env steps on the cluster's CPUs over its self-play actors
+    (rounded up, at most its envs); one actor keeps a thread per CPU. A pinned value wins, and the actors get it."""
+    host = cluster.plan(host_atari(), {"CPU": 16.0, "GPU": 1.0})
+    assert host.selfplay.count == 12 and host.env_threads == 2  # ceil(16 / 12)
+    one = cluster.plan(host_atari(["cluster.num_selfplay_actors=1"]), {"CPU": 16.0, "GPU": 1.0})
+    assert one.env_threads == 16
+    few_envs = cluster.plan(host_atari(["cluster.num_selfplay_actors=1", "env.num_envs=4"]), {"CPU": 16.0, "GPU": 1.0})
+    assert few_envs.env_threads == 4
+    laptop = cluster.plan(config_lib.load("atari"), {"CPU": 2.0})
+    assert laptop.selfplay.count == 1 and laptop.env_threads == 2
+    pinned_cfg = host_atari(["env.num_threads=5"])
+    pinned = cluster.plan(pinned_cfg, {"CPU": 16.0, "GPU": 1.0})
+    assert pinned.env_threads == 5
+    env = selfplay_env(host_atari(), host)
+    assert env.num_threads == 2 and env == dataclasses.replace(host_atari().env, num_threads=2)
+    assert "2 threads each" in host.table()
+    assert cluster.plan(config_lib.load("cartpole"), {"CPU": 16.0}).env_threads == 0  # no ALE threads to set

@@ -71,9 +71,9 @@ class EnvConfig:
     max_episode_steps: int = 0
     """Truncate episodes after this many steps (0 = the env's own limit; Atari default 27000 = 108k frames)."""
     num_threads: int = 0
-    """Atari: native threads stepping each vector env (0 = one per env, up to the CPUs the process may use).
-    A self-play actor has two vector envs (its halves), so on a host of many actors the default starts far more
-    threads than cores; a figure of what that costs belongs in docs/benchmarks.md."""
+    """Atari: native threads stepping each vector env. 0: for self-play, the cluster's CPUs over its self-play
+    actors (the plan's env_threads; one actor gets a thread per CPU), elsewhere one per env up to the CPUs the
+    process may use."""
 
     def __post_init__(self) -> None:
         _check("env", self, [

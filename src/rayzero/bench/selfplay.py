@@ -135,7 +135,9 @@ def _phase_shares(result: dict[str, Any]) -> dict[str, float]:
 
 
 def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> float:
-    """Env steps/s of `num_actors` Ray tasks, each stepping env_cfg.num_envs envs with random actions."""
+    """Env steps/s of `num_actors` Ray tasks, each stepping env_cfg.num_envs envs with random actions, as one
+    vector env with env_cfg's threads (with env.num_threads=0 one per CPU: envs alone step fastest so, faster than
+    on the plan's fewer threads per actor, so the ceiling is not lowered by the actors' setting)."""
     import ray
 
     @ray.remote

@@ -15,7 +15,7 @@ from rayzero.actors.reanalyse import ReanalyseWorker
 from rayzero.actors.selfplay import SelfPlayWorker
 from rayzero.cluster.colocated import ColocatedLearner, LearnerHandle
 from rayzero.cluster.plan import Plan, plan
-from rayzero.config import ClusterConfig, Config, ConfigError
+from rayzero.config import ClusterConfig, Config, ConfigError, EnvConfig
 from rayzero.envs import EnvSpec
 from rayzero.inference.server import InferenceServer
 from rayzero.learner import checkpoint as ckpt
@@ -244,9 +244,14 @@ def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root:
     )
 
 
+def selfplay_env(config: Config, p: Plan) -> EnvConfig:
+    """The env section a self-play actor gets: the config's, its vector env's threads from the plan."""
+    return dataclasses.replace(config.env, num_threads=p.env_threads)
+
+
 def make_selfplay(config: Config, p: Plan, replay: ReplayShards, inference: Any, index: int) -> Any:
     return ray.remote(_RemoteSelfPlay).options(**p.selfplay.actor_options()).remote(
-        config.env, config.model, config.search, config.replay, config.run.seed * 1000 + index + 1,
+        selfplay_env(config, p), config.model, config.search, config.replay, config.run.seed * 1000 + index + 1,
         p.selfplay.torch_threads(config.cluster.torch_threads), replay.actors, inference, selfplay_name(index), index,
         whole_search=p.whole_search,
     )

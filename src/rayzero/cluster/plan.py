@@ -9,6 +9,7 @@ changes `plan()` only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from rayzero.config import Config, ConfigError
@@ -94,6 +95,11 @@ class Plan:
     self-play walks its trees on the CPU to what they hold at once: every env's root and simulations, a quarter
     more for headroom. A pool that runs short frees the least recently active client's slots, and that client's
     search then fails."""
+    env_threads: int = 0
+    """Threads of each self-play actor's vector env (Atari): env.num_threads, or with 0 there the cluster's CPUs
+    over its self-play actors (rounded up), at most env.num_envs. One actor gets the whole machine, as before;
+    many actors share it, where a vector env per half-batch with a thread per host CPU put hundreds of threads
+    on each core. 0 for other envs (Gymnasium's vector envs take no thread count)."""
 
     def roles(self) -> dict[str, Role]:
         named = {"replay": self.replay, "learner": self.learner, "selfplay": self.selfplay,
@@ -106,6 +112,8 @@ class Plan:
         for name, role in self.roles().items():
             lines.append(f"{name:<11} {role.count:>5d} {role.cpus:>5g} {role.gpus:>5g} {role.device:>6} "
                          f"{role.envs or '-':>5}")
+        if self.env_threads:
+            lines.append(f"(self-play vector envs step on {self.env_threads} threads each: env.num_threads)")
         if self.colocated:
             lines.append("(the learner runs inside the inference actor's process: cluster.colocate_learner)")
         if self.colocation_skipped:
@@ -191,6 +199,9 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
     num_selfplay = max(selfplay_actors(config, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
+    env_threads = (config.env.num_threads or min(config.env.num_envs,
+                                                 max(1, math.ceil(available.get("CPU", 1) / num_selfplay)))
+                   if config.env.is_atari else 0)
     latent_slots = 0
     if mode == "central":
         latent_slots = config.inference.latent_pool_size
@@ -217,5 +228,6 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
         colocated=c.colocate_learner and not skipped,
         colocation_skipped=skipped,
         latent_slots=latent_slots,
+        env_threads=env_threads,
         reanalyse_on_inference=config.reanalyse.fraction > 0 and c.reanalyse_gpus == 0 and whole_search,
     )
