@@ -1,6 +1,7 @@
 """The inference actor (CPU): batched answers equal direct calls; bad requests fail alone; weight swaps."""
 
 import asyncio
+import collections
 import dataclasses
 import threading
 import time
@@ -745,6 +746,46 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
         np.testing.assert_allclose(after["policy_logits"], model.initial(torch.from_numpy(obs[0])).policy_logits.numpy(),
                                    rtol=1e-5, atol=1e-6)
     assert after["version"] == 2
+
+
+def test_emulated_cuda_whole_searches_stop_at_a_smaller_bucket_where_it_moves_more_rows_per_device_second(
+        emulated_cuda):
+    """inference.bucket_cut: with a batch on the device, 9 queued rows (4 + 4 + 1) take only the 8 that fill
+    bucket 8 when bucket 8's mean device time moves more rows a second than bucket 16's (800 against 692 rows/s),
+    and the last request stays queued, first for the next batch. Where bucket 16 is nearly as fast, with too few
+    timings, with nothing on the device, or with the option off, all 9 go."""
+    from rayzero.inference.server import _Request
+    from rayzero.tree import SearchConfig
+
+    search_cfg = SearchConfig(num_simulations=4, dirichlet_fraction=0.0, temperature=0.0)
+    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False, search_max_batch=16)
+    srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=search_cfg, discount=0.99)
+    assert srv.runner.search_ladder == [4, 8, 16]
+    key = ("search", search_cfg)
+
+    def timed(bucket: int, count: int, mean_s: float) -> None:
+        srv.metrics[f"search/{bucket}"] = {"count": count, "gpu_s": count * mean_s}
+
+    def take(busy: bool) -> tuple[list[int], list[int]]:
+        srv._queues[key] = collections.deque(_Request(key, f"c{i}", None, rows, None, float(i))
+                                             for i, rows in enumerate((4, 4, 1)))
+        srv._queued_rows[key] = 9
+        taken = srv._take(key, busy=busy)
+        left = [r.rows for r in srv._queues.pop(key, ())]
+        assert srv._queued_rows.pop(key) == sum(left)
+        return [r.rows for r in taken], left
+
+    timed(8, 3, 0.010)
+    timed(16, 3, 0.013)
+    assert take(busy=True) == ([4, 4], [1])
+    assert take(busy=False) == ([4, 4, 1], [])
+    timed(16, 3, 0.0105)  # 857 rows/s: the whole queue is faster
+    assert take(busy=True) == ([4, 4, 1], [])
+    timed(16, 2, 0.013)  # too few timings of bucket 16 to trust
+    assert take(busy=True) == ([4, 4, 1], [])
+    timed(16, 3, 0.013)
+    srv.cfg = dataclasses.replace(cfg, bucket_cut=False)
+    assert take(busy=True) == ([4, 4, 1], [])
 
 
 def test_emulated_cuda_batches_beyond_the_ladder_run_on_the_compute_stream(emulated_cuda, monkeypatch):

@@ -63,6 +63,8 @@ def _as_inference_error(kind: str, error: Exception) -> InferenceError:
 
 
 _ANSWERED = object()  # the result of a fast-path request already written into its channel
+BUCKET_CUT_MIN_COUNT = 3  # batches of a bucket timed before inference.bucket_cut trusts its mean
+BUCKET_CUT_MARGIN = 1.05  # how many times the rows per device second a cut must move to be taken
 WAVE_BATCHES = 2  # most unfinished wave jobs (recurrent batches from the wave queue): one running, one waiting
 
 
@@ -719,20 +721,54 @@ class InferenceServer:
             batch.append(queue.popleft())
         return batch, rows
 
-    def _take(self, key: Any) -> list[_Request]:
+    def _take(self, key: Any, busy: bool = False) -> list[_Request]:
+        """The next batch of `key`'s queue, oldest first; `busy`: a batch is on the device already."""
         queue = self._queues[key]
-        batch, rows = self._pop_batch(queue, self._limit(key))
+        limit = self._limit(key)
+        if busy and self.cfg.bucket_cut and isinstance(key, tuple) and not _pinned_key(key):
+            limit = self._bucket_cut(queue, limit)
+        batch, rows = self._pop_batch(queue, limit)
         self._queued_rows[key] -= rows
         if not queue:
             del self._queues[key]
         return batch
 
+    def _bucket_cut(self, queue: collections.deque[_Request], limit: int) -> int:
+        """inference.bucket_cut: the rows to take of queued whole searches, cut at a smaller bucket of the ladder
+        where that moves more rows per device second, by the mean device time of each bucket so far (a few
+        rows past a bucket would otherwise run the next, larger graph, mostly padding). The rest go first in the
+        next batch, which launches when the one on the device is done. Unknown times: `limit`."""
+        ladder = self.runner.search_ladder
+
+        def rows_per_s(rows: int) -> float | None:
+            bucket = next((b for b in ladder if rows <= b), None)
+            seconds = self._mean_gpu_s("search", bucket, min_count=BUCKET_CUT_MIN_COUNT) if bucket else 0.0
+            return rows / seconds if seconds else None
+
+        prefixes, rows = [], 0
+        for request in queue:
+            if rows + request.rows > limit:
+                break
+            rows += request.rows
+            prefixes.append(rows)
+        best = rows_per_s(prefixes[-1]) if prefixes else None
+        if best is None:
+            return limit
+        cut = prefixes[-1]
+        for rows in prefixes[:-1]:
+            rate = rows_per_s(rows)
+            if rate is not None and rate > best * BUCKET_CUT_MARGIN:
+                cut, best = rows, rate
+        return cut
+
+    def _mean_gpu_s(self, kind: str, bucket: int, min_count: int = 1) -> float:
+        """Mean device time of `kind` batches in `bucket` so far (0 with fewer than `min_count`)."""
+        m = self.metrics.get(f"{kind}/{bucket}")
+        return m["gpu_s"] / m["count"] if m and m["count"] >= min_count else 0.0
+
     def _expected_gpu_s(self, batch: _Batch) -> float:
         """Mean device time of batches like `batch` so far (0 when unknown)."""
-        if batch.flight is None:
-            return 0.0
-        m = self.metrics.get(f"{batch.kind}/{batch.flight.bucket}")
-        return m["gpu_s"] / m["count"] if m and m["count"] else 0.0
+        return 0.0 if batch.flight is None else self._mean_gpu_s(batch.kind, batch.flight.bucket)
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -750,7 +786,7 @@ class InferenceServer:
                 await self._wake.wait()
                 continue
             await self._fill(key, float("inf") if inflight is None else fill_until)
-            requests = self._take(key)
+            requests = self._take(key, busy=inflight is not None)
             launched, done = await loop.run_in_executor(self.gpu, self._step, key, requests, inflight)
             # The previous batch is done, so `launched` is now the one running on the device (None on the CPU).
             fill_until = time.perf_counter() + 0.75 * self._expected_gpu_s(launched) if launched is not None else 0.0
