@@ -10,7 +10,9 @@ done. Lanes = 1 is the sequential baseline (the actor today). It prints a table 
 and writes JSON with machine, versions and date. CUDA only.
 
 The server's search lanes built on this were removed after two lanes never finished on an H100 (the
-thirty-second session in docs/benchmarks.md): run it under `timeout`, as a reproducer of that hang.
+thirty-second session in docs/benchmarks.md), while every runner's graphs were captured on torch's one default
+capture stream and so shared its cuBLAS workspace; runners now capture on their own streams. Run it under
+`timeout`: it is the reproducer of that hang.
 
     python3 scripts/search_lanes.py [--preset atari] [--buckets 128,256,512] [--lanes 1,2,3,4] [--rounds 30] \
         [--json PATH] [section.field=value ...]

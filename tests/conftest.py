@@ -51,8 +51,8 @@ class _FakeStream:
 
 
 class _FakeGraph:
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, stream=None):
+        self.fn, self.stream = fn, stream  # the stream it was captured on
         self.replays = 0
 
     def replay(self):
@@ -62,10 +62,10 @@ class _FakeGraph:
 
 class _FakeCapturedSearch:
     def __init__(self, recurrent_fn, example_root, num_simulations, config, pool=None, generator=None,
-                 per_row=False):
+                 per_row=False, stream=None):
         from rayzero.tree import RootOutput
 
-        self.fn, self.n, self.config = recurrent_fn, num_simulations, config
+        self.fn, self.n, self.config, self.stream = recurrent_fn, num_simulations, config, stream
         self.root = RootOutput(*(t.clone() for t in example_root))
 
     def __call__(self, root, invalid_actions=None, generator=None, noise=None):
@@ -87,7 +87,7 @@ def emulated_cuda(monkeypatch):
     monkeypatch.setattr(runner, "is_cuda", lambda device: True)
     monkeypatch.setattr(server_module, "is_cuda", lambda device: True)
     monkeypatch.setattr(runner, "pinned", lambda shape, dtype: torch.zeros(shape, dtype=dtype))
-    monkeypatch.setattr(runner, "capture_graph", lambda fn, pool: _FakeGraph(fn))
+    monkeypatch.setattr(runner, "capture_graph", lambda fn, pool, stream=None: _FakeGraph(fn, stream))
     monkeypatch.setattr(capture, "CapturedSearch", _FakeCapturedSearch)
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)

@@ -788,6 +788,24 @@ def test_emulated_cuda_whole_searches_stop_at_a_smaller_bucket_where_it_moves_mo
     assert take(busy=True) == ([4, 4, 1], [])
 
 
+def test_emulated_cuda_each_runner_captures_its_graphs_on_its_own_stream(emulated_cuda):
+    """Every graph of a runner (network steps and whole searches) is captured on that runner's compute stream,
+    and the served and the evaluation network's runners have different ones: a captured GEMM keeps its capture
+    stream's cuBLAS workspace, so graphs of both, replayed at once on their own streams, must not share one."""
+    from rayzero.tree import SearchConfig
+
+    search_cfg = SearchConfig(num_simulations=4, dirichlet_fraction=0.0, temperature=0.0)
+    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False, search_max_batch=8,
+                          pinned_eval=True)
+    srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=search_cfg, discount=0.99, eval_rows=4,
+                          eval_simulations=5)
+    served, evaluation = srv.runner, srv.eval_runner
+    assert evaluation is not None and served.stream is not evaluation.stream
+    for runner in (served, evaluation):
+        assert runner.searches and all(captured.stream is runner.stream for captured in runner.searches.values())
+    assert served.graphs and all(graph.stream is served.stream for graph in served.graphs.values())
+
+
 def test_emulated_cuda_batches_beyond_the_ladder_run_on_the_compute_stream(emulated_cuda, monkeypatch):
     """Batches larger than the biggest bucket run eagerly, on the compute stream where weight copies are queued
     (non-blocking), so stream order puts them after a swap; on the default stream nothing ordered the two."""

@@ -446,3 +446,53 @@ def test_the_evaluations_own_simulations_run_on_the_evaluation_networks_graphs_c
     np.testing.assert_array_equal(ours["visit_counts"], expected["visit_counts"])
     assert srv.stats()["search_graphs"] + len(srv.eval_runner.searches) == graphs  # nothing captured mid-run
     assert srv.stats()["errors"] == 0
+
+
+def test_two_runners_whole_searches_at_once_on_their_streams_finish_and_answer_as_alone():
+    """Two runners (the served and the evaluation network's are two) replay their whole-search graphs at the
+    same time on their own streams: every replay finishes, and each gives the visit counts it gives alone. Graphs
+    captured on one shared stream keep one cuBLAS workspace between them; two lanes of whole searches built so
+    never finished on an H100 (docs/benchmarks.md, thirty-second session)."""
+    import time
+
+    from rayzero.inference.runner import Runner
+
+    bucket = 32
+    config = SearchConfig(num_simulations=8, dirichlet_fraction=0.0, temperature=0.0)
+    cfg = InferenceConfig(device="cuda", max_batch=bucket, min_bucket=bucket, search_max_batch=bucket,
+                          latent_pool_size=bucket, cache_size=0)
+    runners = []
+    for seed in (0, 1):
+        model = build_model(SMALL, OBS, A).cuda().eval()
+        _randomize(model, seed)
+        runners.append(Runner(model, cfg, OBS, np.uint8, A, [bucket], config, 0.99, seed=seed))
+    for runner, seed in zip(runners, (0, 1)):
+        runner.static["obs"][:bucket].copy_(torch.from_numpy(_obs(bucket, seed)).cuda())
+    steps = []
+    for runner in runners:
+        with torch.cuda.stream(runner.stream):
+            steps.append(runner._profile_step("search", bucket, graph=True))
+
+    def visits(runner) -> torch.Tensor:
+        return next(iter(runner.searches.values())).output.visit_counts.clone()
+
+    alone = []
+    for runner, step in zip(runners, steps):
+        with torch.cuda.stream(runner.stream):
+            step()
+        runner.stream.synchronize()
+        alone.append(visits(runner))
+    assert not torch.equal(alone[0], alone[1])  # two networks: a mix-up would show
+    for _ in range(20):
+        done = []
+        for runner, step in zip(runners, steps):
+            with torch.cuda.stream(runner.stream):
+                step()
+                done.append(torch.cuda.Event())
+                done[-1].record(runner.stream)
+        deadline = time.monotonic() + 60
+        while not all(event.query() for event in done):
+            assert time.monotonic() < deadline, "two runners' concurrent whole searches did not finish in 60 s"
+            time.sleep(0.001)
+        for runner, want in zip(runners, alone):
+            torch.testing.assert_close(visits(runner), want, rtol=0, atol=0)

@@ -47,10 +47,11 @@ def pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, pin_memory=True)
 
 
-def capture_graph(fn, pool) -> Any:
-    """Record fn() into a torch.cuda.CUDAGraph (call on a non-default stream, after a warm-up)."""
+def capture_graph(fn, pool, stream=None) -> Any:
+    """Record fn() into a torch.cuda.CUDAGraph (call on a non-default stream, after a warm-up), captured on
+    `stream` (None: torch's one default capture stream; see Runner for why a runner passes its own)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         fn()
     return graph
 
@@ -163,6 +164,10 @@ class Runner:
         # Where the learner shares this process (cluster.colocate_learner), the stream priorities say whose waiting
         # blocks the GPU schedules first (inference.stream_priority; the colocated learner takes the other end).
         priority = HIGHEST_PRIORITY if cfg.stream_priority == "high" else 0
+        # Every graph of this runner is captured on its compute stream. A captured GEMM keeps the cuBLAS
+        # workspace of its capture stream (PyTorch keys workspaces by handle and stream), and torch's graphs
+        # share one default capture stream: two runners' graphs (the served and the evaluation network's)
+        # replayed at once on their own streams would otherwise share one workspace.
         self.stream = torch.cuda.Stream(self.device, priority=priority)
         self.copy_stream = torch.cuda.Stream(self.device, priority=priority)
         self.mempool = torch.cuda.graph_pool_handle()
@@ -232,7 +237,7 @@ class Runner:
     def _capture(self, kind: str, bucket: int) -> torch.cuda.CUDAGraph:
         for _ in range(2):  # warm-up on the (non-default) compute stream: cuDNN/cuBLAS plans, allocator
             self._body(kind, bucket)
-        return capture_graph(lambda: self._body(kind, bucket), self.mempool)
+        return capture_graph(lambda: self._body(kind, bucket), self.mempool, self.stream)
 
     def search_fn(self, action: torch.Tensor, embedding: torch.Tensor) -> tuple[RecurrentOutput, torch.Tensor]:
         """recurrent_fn of the whole-search requests: the model's recurrent step under the actor's autocast."""
@@ -263,7 +268,8 @@ class Runner:
                             "shape at start")
             start = time.perf_counter()
             captured = CapturedSearch(self.search_fn, self._search_root(bucket), config.num_simulations, config,
-                                      pool=self.mempool, generator=self.generator, per_row=per_row)
+                                      pool=self.mempool, generator=self.generator, per_row=per_row,
+                                      stream=self.stream)
             self.capture_s += time.perf_counter() - start
             self.searches[key] = captured
         self.searches.move_to_end(key)

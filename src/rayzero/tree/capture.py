@@ -43,9 +43,13 @@ class CapturedSearch:
         pool: tuple[int, int] | None = None,
         generator: torch.Generator | None = None,
         per_row: bool = False,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """per_row: the graph also reads per-row settings (noise.SearchNoise.root_fraction and temperature), so
-        that one batch can mix requests of different acting settings; a call that gives none gets the config's."""
+        that one batch can mix requests of different acting settings; a call that gives none gets the config's.
+        stream: where the graph is captured (None: torch's default capture stream, which every graph captured
+        without one shares). Its captured GEMMs keep that stream's cuBLAS workspace, so graphs that may run at
+        once on different streams need capture streams of their own."""
         device = example_root.prior_logits.device
         if device.type != "cuda":
             raise ValueError(f"CapturedSearch needs CUDA tensors; the example root is on {device}")
@@ -91,7 +95,7 @@ class CapturedSearch:
         # thread_local: other threads of the process (the inference actor's weight stager, say) may keep making
         # CUDA calls such as an event synchronize while this thread captures; in the default global mode any of
         # them invalidates the capture and fails both.
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             self.output = run()
 
     def __call__(
