@@ -97,9 +97,9 @@ class Plan:
     search then fails."""
     env_threads: int = 0
     """Threads of each self-play actor's vector env (Atari): env.num_threads, or with 0 there the cluster's CPUs
-    over its self-play actors (rounded up), at most env.num_envs. One actor gets the whole machine, as before;
-    many actors share it, where a vector env per half-batch with a thread per host CPU put hundreds of threads
-    on each core. 0 for other envs (Gymnasium's vector envs take no thread count)."""
+    over its self-play actors (rounded up), at most env.num_envs. One actor gets a thread per CPU, as before; many
+    actors share the CPUs, where a thread per CPU for each half-batch's vector env started many times more threads
+    than cores. 0 for other envs (Gymnasium's vector envs take no thread count)."""
 
     def roles(self) -> dict[str, Role]:
         named = {"replay": self.replay, "learner": self.learner, "selfplay": self.selfplay,
