@@ -85,12 +85,12 @@ class CapturedSearch:
             )
 
         # Warm up on a side stream (Triton compilation, cuBLAS handles, the search's cached tables).
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
             for _ in range(warmup):
                 run()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the process (the inference actor's weight stager, say) may keep making
         # CUDA calls such as an event synchronize while this thread captures; in the default global mode any of
