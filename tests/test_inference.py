@@ -758,7 +758,8 @@ def test_emulated_cuda_whole_searches_stop_at_a_smaller_bucket_where_it_moves_mo
     from rayzero.tree import SearchConfig
 
     search_cfg = SearchConfig(num_simulations=4, dirichlet_fraction=0.0, temperature=0.0)
-    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False, search_max_batch=16)
+    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False, search_max_batch=16,
+                          bucket_cut=True)
     srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=search_cfg, discount=0.99)
     assert srv.runner.search_ladder == [4, 8, 16]
     key = ("search", search_cfg)

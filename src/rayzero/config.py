@@ -453,11 +453,11 @@ class InferenceConfig:
     """Largest bucket of whole-search CUDA graphs (one per bucket of the ladder up to here, captured at
     start-up for the run's search config; other configs are captured on first use). Bigger search
     requests run eagerly; 0 = no whole-search graphs."""
-    bucket_cut: bool = True
+    bucket_cut: bool = False
     """CUDA, whole searches: while a batch is on the device, the next one may stop at a smaller bucket of the
     ladder where that moves more rows per device second (the mean device time of each bucket so far); the
     requests left over go first in the batch after. Without it, a few rows past a bucket run the next bucket's
-    graph, mostly padding."""
+    graph, mostly padding. Off until a GPU has measured it (`rayzero bench selfplay --rows preset,cut`)."""
     stream_priority: str = "high"
     """CUDA: which side the GPU schedules first where a learner shares this process (cluster.colocate_learner).
     'high': the inference actor's streams take the highest priority, so self-play and evaluation, which wait
