@@ -406,6 +406,10 @@ class Runner:
             settings[name] = torch.from_numpy(column).to(self.device)
         return noise._replace(**settings)
 
+    def search_bucket(self, rows: int) -> int | None:
+        """The smallest whole-search bucket that holds `rows` (None: beyond the ladder, run eagerly)."""
+        return next((b for b in self.search_ladder if rows <= b), None)
+
     @torch.no_grad()
     def launch_search(self, parts: list[np.ndarray], mask: np.ndarray | None, config: SearchConfig,
                       rows: dict[str, np.ndarray] | None = None) -> Flight:
@@ -415,7 +419,7 @@ class Runner:
         Outputs: action [n] int64, action_weights [n, A], visit_counts [n, A] int64, root_value [n].
         """
         n = sum(len(p) for p in parts)
-        bucket = next((b for b in self.search_ladder if n <= b), None)
+        bucket = self.search_bucket(n)
         if bucket is None:
             with self._eager_stream():
                 return self._eager_search(parts, mask, config, rows)

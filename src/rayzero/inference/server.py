@@ -738,10 +738,8 @@ class InferenceServer:
         where that moves more rows per device second, by the mean device time of each bucket so far (a few
         rows past a bucket would otherwise run the next, larger graph, mostly padding). The rest go first in the
         next batch, which launches when the one on the device is done. Unknown times: `limit`."""
-        ladder = self.runner.search_ladder
-
         def rows_per_s(rows: int) -> float | None:
-            bucket = next((b for b in ladder if rows <= b), None)
+            bucket = self.runner.search_bucket(rows)
             seconds = self._mean_gpu_s("search", bucket, min_count=BUCKET_CUT_MIN_COUNT) if bucket else 0.0
             return rows / seconds if seconds else None
 
