@@ -26,6 +26,23 @@ def server(**overrides):
 def test_bucket_ladder():
     assert bucket_ladder(8, 100) == [8, 16, 32, 64, 100]
     assert bucket_ladder(4, 4) == [4]
+    # inference.ladder_steps: midpoints of each doubling, whole rows only, max_batch always last
+    assert bucket_ladder(8, 100, 2) == [8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert bucket_ladder(1, 8, 2) == [1, 2, 3, 4, 6, 8]
+    assert bucket_ladder(256, 1024, 4) == [256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    with pytest.raises(ValueError, match="steps=0"):
+        bucket_ladder(8, 64, 0)
+
+
+def test_a_finer_ladder_serves_a_batch_in_its_midpoint_bucket():
+    srv = server(ladder_steps=2)
+    assert srv.ladder == [4, 6, 8, 12, 16, 24, 32, 48, 64]
+    obs = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
+    out = asyncio.run(srv.initial("c", obs))
+    with torch.no_grad():
+        np.testing.assert_allclose(out["value"], srv.model.initial(torch.from_numpy(obs)).value.numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    assert list(srv.stats()["buckets"]) == ["initial/6"]  # 5 rows: the 6 bucket, not 8
 
 
 def test_concurrent_requests_are_batched_and_match_direct_calls():

@@ -46,14 +46,19 @@ from rayzero.tree import SearchConfig
 log = logger(__name__)
 
 
-def bucket_ladder(min_bucket: int, max_batch: int) -> list[int]:
-    """Bucket sizes: min_bucket doubling up to (and always including) max_batch."""
+def bucket_ladder(min_bucket: int, max_batch: int, steps: int = 1) -> list[int]:
+    """Bucket sizes: min_bucket doubling up to (and always including) max_batch, with `steps` buckets per doubling
+    (2: 8, 12, 16, 24, 32, 48, ...; a step that is not a whole number of rows is left out)."""
+    if steps < 1:
+        raise ValueError(f"bucket_ladder steps={steps!r}: must be >= 1 (buckets per doubling)")
     sizes, size = [], min_bucket
     while size < max_batch:
-        sizes.append(size)
+        for j in range(steps):
+            if (size * j) % steps == 0 and size + size * j // steps < max_batch:
+                sizes.append(size + size * j // steps)
         size *= 2
     sizes.append(max_batch)
-    return sizes
+    return sorted(set(sizes))
 
 
 def _as_inference_error(kind: str, error: Exception) -> InferenceError:
@@ -126,7 +131,7 @@ class InferenceServer:
         self.model = build_model(model_cfg, obs_shape, num_actions).to(self.device).eval()
         self.pool = LatentPool(cfg.latent_pool_size, cfg.latent_timeout_s)
         self.cache = EvalCache(cfg.cache_size, num_actions) if cfg.cache_size else None
-        self.ladder = bucket_ladder(cfg.min_bucket, cfg.max_batch)
+        self.ladder = bucket_ladder(cfg.min_bucket, cfg.max_batch, cfg.ladder_steps)
         self.version = 0
         cuda = is_cuda(self.device)
         if cuda and cfg.switch_interval_us > 0:
