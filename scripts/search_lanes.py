@@ -9,10 +9,10 @@ launches its initial step and whole search on its own stream, and the round's wa
 done. Lanes = 1 is the sequential baseline (the actor today). It prints a table (ms a round, roots/s, speed-up)
 and writes JSON with machine, versions and date. CUDA only.
 
-The server's search lanes built on this were removed after two lanes never finished on an H100 (the
-thirty-second session in docs/benchmarks.md), while every runner's graphs were captured on torch's one default
-capture stream and so shared its cuBLAS workspace; runners now capture on their own streams. Run it under
-`timeout`: it is the reproducer of that hang.
+The server's search lanes built on this (inference.search_lanes) hung on an H100 while every runner's graphs
+were captured on torch's one default capture stream and so shared its cuBLAS workspace; since runners capture on
+their own streams, two and three lanes finish (the thirty-second and thirty-third sessions in docs/benchmarks.md).
+Run it under `timeout` all the same: a hang here is a hang in the inference actor.
 
     python3 scripts/search_lanes.py [--preset atari] [--buckets 128,256,512] [--lanes 1,2,3,4] [--rounds 30] \
         [--json PATH] [section.field=value ...]

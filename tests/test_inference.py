@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import copy
 import dataclasses
 import threading
 import time
@@ -822,6 +823,44 @@ def test_emulated_cuda_each_runner_captures_its_graphs_on_its_own_stream(emulate
     for runner in (served, evaluation):
         assert runner.searches and all(captured.stream is runner.stream for captured in runner.searches.values())
     assert served.graphs and all(graph.stream is served.stream for graph in served.graphs.values())
+def test_emulated_cuda_search_lanes_answer_as_direct_searches_and_take_new_weights(emulated_cuda):
+    """inference.search_lanes=2: whole searches alternate between the served runner and a second lane (its own copy
+    of the network, buffers and search graphs); every answer equals a direct search with the served weights, and
+    a weight swap reaches both lanes' networks."""
+    from rayzero.actors.network import LocalNetwork
+    from rayzero.tree import SearchConfig, search
+
+    search_cfg = SearchConfig(num_simulations=6, dirichlet_fraction=0.0, temperature=0.0)
+    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False, search_max_batch=8,
+                          search_lanes=2)
+    srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=search_cfg, discount=0.99)
+    lane = srv.lanes[1]
+    assert len(srv.lanes) == 2 and srv.lanes[0] is srv.runner and lane.model is not srv.model
+    assert {key[0] for key in lane.searches} == {4, 8}
+    # each lane's graphs captured on its own stream, so they do not share one cuBLAS workspace (the hang of s32)
+    assert lane.stream is not srv.runner.stream
+    assert all(captured.stream is lane.stream for captured in lane.searches.values())
+    rng = np.random.default_rng(0)
+    obs = [rng.normal(size=(n, 4)).astype(np.float32) for n in (3, 5, 2, 7, 1, 4)]
+
+    def check(state: dict[str, torch.Tensor], version: int) -> None:
+        asyncio.run(srv.set_weights(version, state))
+        before = list(srv.lane_batches)
+        answers = [asyncio.run(srv.search(f"c{i}", o)) for i, o in enumerate(obs)]  # one batch each
+        assert all(now - then >= 2 for now, then in zip(srv.lane_batches, before)), srv.lane_batches
+        evaluator = LocalNetwork(srv.model, 0.99)
+        with torch.no_grad():
+            for answer, o in zip(answers, obs):
+                ref = search(evaluator.root(o), evaluator.recurrent_fn, 6, search_cfg)
+                np.testing.assert_array_equal(answer["visit_counts"], ref.visit_counts.numpy())
+                np.testing.assert_allclose(answer["root_value"], ref.root_value.numpy(), rtol=1e-5, atol=1e-6)
+                assert answer["version"] == version
+
+    trained = copy.deepcopy(srv.model)
+    _randomize(trained)
+    check(trained.state_dict(), 1)
+    check({k: v * 0.5 for k, v in trained.state_dict().items()}, 2)
+    assert srv.stats()["errors"] == 0 and srv.stats()["lane_batches"] == srv.lane_batches
 
 
 def test_emulated_cuda_batches_beyond_the_ladder_run_on_the_compute_stream(emulated_cuda, monkeypatch):

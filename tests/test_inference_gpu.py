@@ -252,6 +252,30 @@ def test_whole_search_graphs_match_eager_search():
     assert graphs.stats()["search_graphs"] >= 4  # start-up buckets 8, 16, 32 + the override's
 
 
+def test_search_lanes_on_two_streams_answer_as_eager_searches():
+    """inference.search_lanes=2: whole searches launched back to back run on two runners' streams at once (each
+    lane its own network copy, buffers and graph memory pool); every answer matches an eager search with the
+    weights set through set_weights, which reaches both lanes."""
+    config = SearchConfig(num_simulations=8, dirichlet_fraction=0.0, temperature=0.0)
+    lanes = _server(bf16=False, search_cfg=config, search_lanes=2)
+    eager = _server(bf16=False, search_cfg=config, search_max_batch=0)
+    state = {k: v.clone() for k, v in lanes.model.state_dict().items()}  # _server randomised the served copy only
+    asyncio.run(lanes.set_weights(1, state))
+    eager.model.load_state_dict(state)
+    obs = [_obs(20, seed=10 + i) for i in range(6)]  # 20 rows each: one request per 32-row search
+
+    async def go(srv):
+        return await asyncio.gather(*[srv.search(f"c{i}", o) for i, o in enumerate(obs)])
+
+    got, want = asyncio.run(go(lanes)), asyncio.run(go(eager))
+    assert len(lanes.lanes) == 2 and min(lanes.stats()["lane_batches"]) >= 2, lanes.stats()["lane_batches"]
+    for g, e in zip(got, want):
+        assert g["version"] == 1 and (g["visit_counts"].sum(1) == 8).all()
+        assert (g["visit_counts"] == e["visit_counts"]).all(1).mean() >= 0.9
+        np.testing.assert_allclose(g["root_value"], e["root_value"], rtol=1e-3, atol=1e-3)
+    assert lanes.stats()["errors"] == 0
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_a_compiled_recurrent_step_in_the_captured_graphs_answers_as_the_eager_one(bf16):
     """inference.compile_recurrent on the GPU: the recurrent graphs and whole-search graphs, captured around the

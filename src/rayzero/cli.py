@@ -61,8 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=None,
                        help="selfplay: timed seconds per row (default 30, --quick 3)")
     bench.add_argument("--rows", default=None,
-                       help="selfplay on a GPU host: comma-separated rows to run (preset, envs16, envs128, sims200, cpu, cpu128, cpu256, cut; "
-                            "default: preset, envs16, sims200, cpu)")
+                       help="selfplay on a GPU host: comma-separated rows to run (preset, envs16, envs128, sims200, cpu, cpu128, cpu256, "
+                            "cut, lanes2, lanes3; default: preset, envs16, sims200, cpu)")
     bench.add_argument("overrides", nargs="*",
                        help="selfplay: section.field=value applied to every row (e.g. env.num_threads=2)")
     bench.add_argument("--kill-every", type=float, default=None,

@@ -461,6 +461,12 @@ class InferenceConfig:
     ladder where that moves more rows per device second (the mean device time of each bucket so far); the
     requests left over go first in the batch after. Without it, a few rows past a bucket run the next bucket's
     graph, mostly padding. Off until a GPU has measured it (`rayzero bench selfplay --rows preset,cut`)."""
+    search_lanes: int = 1
+    """CUDA: whole searches in flight at once, each lane a copy of the network with its own stream, buffers
+    and whole-search graphs (the first lane is the served network, which also runs every other batch). A
+    search is mostly a chain of small kernels, so searches on several streams may overlap on the GPU
+    (scripts/search_lanes.py measures it). 1 = one search after another, the default until `rayzero bench
+    selfplay --rows lanes2,lanes3` has measured lanes in self-play."""
     stream_priority: str = "high"
     """CUDA: which side the GPU schedules first where a learner shares this process (cluster.colocate_learner).
     'high': the inference actor's streams take the highest priority, so self-play and evaluation, which wait
@@ -508,6 +514,7 @@ class InferenceConfig:
             ("max_wait_us", self.max_wait_us >= 0, ">= 0"),
             ("latent_pool_size", self.latent_pool_size >= 1, ">= 1"),
             ("search_max_batch", self.search_max_batch >= 0, ">= 0 (0 = no whole-search graphs)"),
+            ("search_lanes", 1 <= self.search_lanes <= 8, "between 1 and 8"),
             ("latent_timeout_s", self.latent_timeout_s >= 0, ">= 0 (0 = no timeout)"),
             ("cache_size", self.cache_size >= 0, ">= 0 (0 = no cache)"),
             ("switch_interval_us", self.switch_interval_us >= 0, ">= 0 (0 = Python's default)"),

@@ -105,6 +105,7 @@ class _Batch:
     launched: float = 0.0
     host_s: float = 0.0
     runner: Runner | None = None  # the runner it was launched on (the evaluation network's, or the served one)
+    lane: int = -1  # its index in `lanes` (-1: the evaluation network's runner)
 
 
 class InferenceServer:
@@ -149,12 +150,15 @@ class InferenceServer:
                                                    num_simulations=eval_simulations or self.search_cfg.num_simulations)
         self.eval_runner = (self._eval_runner(model_cfg, eval_rows, discount, seed)
                             if cfg.pinned_eval and eval_rows > 0 else None)
+        self._init_lanes(model_cfg, discount, seed)
         self.eval_version = 0
         if cuda:  # where a run's start goes (its first update waits for this actor)
-            log.info("inference actor up in %.1f s: %d network graphs and %d whole searches captured in %.1f s%s",
+            log.info("inference actor up in %.1f s: %d network graphs and %d whole searches captured in %.1f s%s%s",
                      time.perf_counter() - started, len(self.runner.graphs), len(self.runner.searches),
                      self.runner.capture_s, "" if self.eval_runner is None else
-                     f", the evaluation network's {len(self.eval_runner.searches)} in {self.eval_runner.capture_s:.1f} s")
+                     f", the evaluation network's {len(self.eval_runner.searches)} in {self.eval_runner.capture_s:.1f} s",
+                     "" if len(self.lanes) == 1 else f", {len(self.lanes) - 1} more search lanes in "
+                     f"{sum(lane.capture_s for lane in self.lanes[1:]):.1f} s")
         self._pinned_clients: set[str] = set()
         self._queues: dict[Any, collections.deque[_Request]] = {}
         self._queued_rows: collections.Counter = collections.Counter()
@@ -197,6 +201,26 @@ class InferenceServer:
         self._wave_requests_n = 0
         self._wave_overloaded = 0
         self._wave_peak_rows = 0
+
+    def _init_lanes(self, model_cfg: ModelConfig, discount: float, seed: int) -> None:
+        """inference.search_lanes: the served runner first, then one runner per further lane, for whole searches."""
+        lanes = self.cfg.search_lanes if self.runner.search_ladder else 1
+        self.lanes = [self.runner] + [self._lane_runner(model_cfg, discount, seed + 2 + i) for i in range(lanes - 1)]
+        self._lane_unfinished = [0] * len(self.lanes)  # GPU thread: batches launched on each and not finished
+        self._lane_launched = [0.0] * len(self.lanes)  # GPU thread: when each last had a batch launched
+        self.lane_batches = [0] * len(self.lanes)  # batches launched on each
+
+    def _lane_runner(self, model_cfg: ModelConfig, discount: float, seed: int) -> Runner:
+        """A further search lane: a copy of the served network with its own stream, buffers and whole-search
+        graphs (the served runner's search ladder and configs), for whole searches only."""
+        top = max(self.runner.search_ladder)
+        lane_cfg = dataclasses.replace(self.cfg, max_batch=top, search_max_batch=top, latent_pool_size=top,
+                                       cache_size=0, search_lanes=1)
+        model = build_model(model_cfg, self.obs_shape, self.num_actions).to(self.device).eval()
+        model.load_state_dict(self.model.state_dict())
+        return self.gpu.submit(Runner, model, lane_cfg, self.obs_shape, self.obs_dtype, self.num_actions,
+                               bucket_ladder(self.cfg.min_bucket, top, self.cfg.ladder_steps), self.search_cfg, discount,
+                               seed).result()
 
     def _eval_runner(self, model_cfg: ModelConfig, eval_rows: int, discount: float, seed: int) -> Runner:
         """inference.pinned_eval: the evaluation network, its greedy search captured now for one bucket (the
@@ -491,7 +515,7 @@ class InferenceServer:
         GPU thread copies them in between two batches. Swaps land in the order of the calls.
         """
         def swap() -> None:  # the staging thread: swaps in call order, one at a time (they share the buffers)
-            staged = self.runner.stage_weights(state_dict)
+            staged = [lane.stage_weights(state_dict) for lane in self.lanes]
             self.gpu.submit(self._apply_weights, version, staged).result()
 
         await asyncio.wrap_future(self._stager.submit(swap))
@@ -529,9 +553,11 @@ class InferenceServer:
         version, state_dict = weights
         return await self.set_weights(version, state_dict)
 
-    def _apply_weights(self, version: int, staged: dict[str, torch.Tensor]) -> None:
-        """GPU thread, between batches: the staged weights into the model, the new version, a clear cache."""
-        self.runner.apply_weights(staged)
+    def _apply_weights(self, version: int, staged: list[dict[str, torch.Tensor]]) -> None:
+        """GPU thread, between batches: the staged weights into every lane's network (each on its own stream, so
+        in order with that lane's batches), the new version, a clear cache."""
+        for lane, weights in zip(self.lanes, staged):
+            lane.apply_weights(weights)
         self.version = version
         if self.cache is not None:
             self.cache.clear()
@@ -563,6 +589,7 @@ class InferenceServer:
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
                 "gone_clients": self.gone_clients,
                 "cuda_graphs": len(self.runner.graphs), "search_graphs": len(self.runner.searches),
+                "lane_batches": list(self.lane_batches),
                 "capture_s": self.runner.capture_s + (self.eval_runner.capture_s if self.eval_runner else 0.0),
                 "eval_version": self.eval_version if self.eval_runner is not None else None,
                 "cache": self.cache.stats() if self.cache is not None else None}
@@ -775,39 +802,46 @@ class InferenceServer:
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        inflight: _Batch | None = None
-        fill_until = 0.0  # with a batch in flight: gather until shortly before the device should be done
+        unfinished: collections.deque[_Batch] = collections.deque()  # launched, oldest first; at most one per lane
+        fill_until = 0.0  # with batches in flight: gather until shortly before a lane should be free
         while True:
             key = self._oldest_key()
             if key is None:
-                if inflight is not None:
-                    done = inflight
-                    inflight = None
+                if unfinished:
+                    done = unfinished.popleft()
                     self._deliver(done, await loop.run_in_executor(self.gpu, self._finish, done))
                     continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._fill(key, float("inf") if inflight is None else fill_until)
-            requests = self._take(key, busy=inflight is not None)
-            launched, done = await loop.run_in_executor(self.gpu, self._step, key, requests, inflight)
-            # The previous batch is done, so `launched` is now the one running on the device (None on the CPU).
-            fill_until = time.perf_counter() + 0.75 * self._expected_gpu_s(launched) if launched is not None else 0.0
+            await self._fill(key, float("inf") if not unfinished else fill_until)
+            requests = self._take(key, busy=bool(unfinished))
+            launched, done = await loop.run_in_executor(self.gpu, self._step, key, requests, unfinished)
+            # The oldest batches are done, so at most one per lane is left running (none on the CPU).
+            fill_until = (time.perf_counter() + 0.75 * self._expected_gpu_s(launched) / len(self.lanes)
+                          if launched is not None else 0.0)
             for batch, results in done:
                 self._deliver(batch, results)
-            inflight = launched
 
-    def _step(self, key: Any, requests: list[_Request], inflight: _Batch | None
+    def _step(self, key: Any, requests: list[_Request], unfinished: collections.deque[_Batch]
               ) -> tuple[_Batch | None, list[tuple[_Batch, list]]]:
-        """GPU thread: launch the new batch, then wait for and unpack the one in flight; returns the batch now in
-        flight and the finished (batch, results). On the CPU a launch computes the batch, so it is finished at
-        once (its answers would otherwise wait for the next batch's compute)."""
+        """GPU thread: launch the new batch behind the ones in flight, then wait for and unpack the oldest until
+        at most one per lane is left (with one lane: the batch that was running); returns the batch launched
+        (None on the CPU) and the finished (batch, results). `unfinished` is the batcher's, which awaits this
+        call. On the CPU a launch computes the batch, so it is finished at once (its answers would otherwise wait
+        for the next batch's compute)."""
         launched = self._launch(key, requests)
-        done = [(inflight, self._finish(inflight))] if inflight is not None else []
-        if not self.runner.cuda:
-            done.append((launched, self._finish(launched)))
-            launched = None
-        return launched, done
+        unfinished.append(launched)
+        done = []
+        while len(unfinished) > (len(self.lanes) if self.runner.cuda else 0):
+            oldest = unfinished.popleft()
+            done.append((oldest, self._finish(oldest)))
+        return (launched if self.runner.cuda else None), done
+
+    def _pick_lane(self) -> int:
+        """The lane for the next whole search: the one with the fewest batches in flight, of those the one whose
+        last launch is the oldest (so a search queues behind the one that should end first)."""
+        return min(range(len(self.lanes)), key=lambda i: (self._lane_unfinished[i], self._lane_launched[i]))
 
     def _deliver(self, batch: _Batch, results: list) -> None:
         for request, result in zip(batch.requests, results):
@@ -826,8 +860,14 @@ class InferenceServer:
         start = time.perf_counter()
         kind = key if isinstance(key, str) else "search"
         pinned = _pinned_key(key)
+        lane = -1 if pinned else self._pick_lane() if kind == "search" else 0
         batch = _Batch(key, kind, requests, [None] * len(requests), version=self.eval_version if pinned else
-                       self.version, launched=start, runner=self.eval_runner if pinned else self.runner)
+                       self.version, launched=start, runner=self.eval_runner if pinned else self.lanes[lane],
+                       lane=lane)
+        if lane >= 0:
+            self._lane_unfinished[lane] += 1
+            self._lane_launched[lane] = start
+            self.lane_batches[lane] += 1
         try:
             if kind == "initial":
                 self._launch_initial(batch)
@@ -922,6 +962,8 @@ class InferenceServer:
 
     def _finish(self, batch: _Batch) -> list:
         """GPU thread: wait for the batch's outputs and split them into per-request answers."""
+        if batch.lane >= 0:
+            self._lane_unfinished[batch.lane] -= 1
         try:
             if batch.flight is not None:
                 wait_start = time.perf_counter()
