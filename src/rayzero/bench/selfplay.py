@@ -137,14 +137,30 @@ def _phase_shares(result: dict[str, Any]) -> dict[str, float]:
 def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> float:
     """Env steps/s of `num_actors` Ray tasks, each stepping env_cfg.num_envs envs with random actions, as one
     vector env with env_cfg's threads (with env.num_threads=0 one per CPU: envs alone step fastest so, faster than
-    on the plan's fewer threads per actor, so the ceiling is not lowered by the actors' setting)."""
+    on the plan's fewer threads per actor, so the ceiling is not lowered by the actors' setting). Every task
+    builds its envs and then waits for the others, so that none is timed while another's worker process still
+    starts and imports (Ray starts them for a run's first tasks)."""
+    import asyncio
+
     import ray
 
+    @ray.remote(num_cpus=0)
+    class Barrier:
+        def __init__(self, parties: int) -> None:
+            self.parties, self.arrived, self.all_here = parties, 0, asyncio.Event()
+
+        async def wait(self) -> None:
+            self.arrived += 1
+            if self.arrived >= self.parties:
+                self.all_here.set()
+            await self.all_here.wait()
+
     @ray.remote
-    def step_randomly(seed: int) -> tuple[int, float]:
+    def step_randomly(seed: int, barrier: Any) -> tuple[int, float]:
         env = make_vector_env(env_cfg, env_cfg.num_envs, seed, training=True)
         rng = np.random.default_rng(seed)
         env.reset(seed=seed)
+        ray.get(barrier.wait.remote())
         steps, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             env.step(rng.integers(0, env.spec.num_actions, size=env_cfg.num_envs))
@@ -152,7 +168,11 @@ def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> 
         env.close()
         return steps, time.perf_counter() - start
 
-    results = ray.get([step_randomly.options(num_cpus=cpus).remote(i) for i in range(num_actors)])
+    barrier = Barrier.remote(num_actors)
+    try:
+        results = ray.get([step_randomly.options(num_cpus=cpus).remote(i, barrier) for i in range(num_actors)])
+    finally:
+        ray.kill(barrier)
     return sum(steps for steps, _ in results) / max(seconds for _, seconds in results)
 
 
