@@ -113,6 +113,20 @@ def test_selfplay_benchmark_quick_writes_its_json(tmp_path):
     assert served["envs_per_actor"] == 6 and served["overrides"][-1] == "env.num_envs=6"  # the override, last
     assert 0 < served["step_latency"]["p50_ms"] <= served["step_latency"]["p99_ms"]
     assert served["one_env_latency"]["steps"] >= 20 and served["batches"]["rows_per_batch"] > 0
+    # the host's CPUs were busy while actors (and then the ceiling's envs) stepped: a share, where /proc/stat is
+    assert 0 < served["host_cpu_busy"] <= 1 and 0 < served["ceiling_host_cpu_busy"] <= 1
+
+
+def test_host_cpu_busy_share_from_two_proc_stat_readings():
+    from rayzero.bench.selfplay import _cpu_busy, _cpu_times
+
+    # user nice system idle iowait irq softirq steal (guest, guest_nice: inside user already, not summed)
+    before = _cpu_times("cpu  100 0 50 800 50 0 0 0 7 0\n")
+    after = _cpu_times("cpu  400 0 150 1100 150 0 0 0 9 0\n")
+    assert before == (150, 1000) and after == (550, 1800)
+    assert _cpu_busy(before, after) == 0.5  # 400 busy of 800 jiffies
+    assert _cpu_busy(None, after) is None and _cpu_busy(after, before) is None
+    assert _cpu_times("intr 1 2 3") is None
 
 
 @pytest.mark.parametrize("leftover", ["config.yaml", "metrics.jsonl", "checkpoints"])

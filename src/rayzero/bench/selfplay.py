@@ -5,7 +5,8 @@ preset and the host (cluster.plan; no learner), with randomly initialised weight
 reports env steps/s and frames/s in the steady state, the env-only ceiling measured in the same run (as many
 actors stepping the same envs with random actions), their ratio, the decision latency per step (p50, p99;
 every env of an actor waits one batched step for its next action), one env alone (p50, p99), GPU utilisation
-and energy per env step (NVML), and how full the inference actor's batches were. On a GPU host the
+and energy per env step (NVML), how full the inference actor's batches were, and the host's CPU busy share
+(/proc/stat) while the actors ran and while the ceiling did (are the cores the bound?). On a GPU host the
 default rows are the `atari` preset at 50 simulations with its envs per actor and with 16, at 200 simulations,
 and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor),
 each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256,
@@ -134,6 +135,33 @@ def _phase_shares(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _cpu_times(stat: str | None = None) -> tuple[int, int] | None:
+    """(busy, total) jiffies of all the host's CPUs from /proc/stat's first line (or `stat`'s); None where there
+    is no /proc/stat. Idle and iowait count as not busy; guest time is inside user time already."""
+    if stat is None:
+        try:
+            with open("/proc/stat") as f:
+                stat = f.readline()
+        except OSError:
+            return None
+    fields = stat.split()
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.0%}"
+
+
+def _cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the host's CPU time that was busy between two `_cpu_times` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> float:
     """Env steps/s of `num_actors` Ray tasks, each stepping env_cfg.num_envs envs with random actions, as one
     vector env with env_cfg's threads (with env.num_threads=0 one per CPU: envs alone step fastest so, faster than
@@ -214,9 +242,9 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         gpu = GpuMonitor()
         energy0 = gpu.energy_j()
         gpu.start()
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), _cpu_times()
         run = _run_actors(actors, seconds, steps_per_call)
-        t1 = time.monotonic()
+        t1, cpu1 = time.monotonic(), _cpu_times()
         energy = gpu.energy_j()
         samples = gpu.stop()
         after = ray.get(inference.stats.remote()) if inference is not None else None
@@ -231,7 +259,9 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         single = ray.get(alone.collect.remote(max(20, int(10 * seconds)), 1.0, None))
     finally:
         ray.kill(alone)
+    ceiling_cpu0 = _cpu_times()
     ceiling = _env_ceiling(cfg.env, p.selfplay.count, p.selfplay.cpus, seconds)
+    ceiling_cpu = _cpu_busy(ceiling_cpu0, _cpu_times())
     rate = run["env_steps"] / run["seconds"]
     row = {
         "preset": preset, "overrides": overrides, "env_id": cfg.env.id, "simulations": cfg.search.num_simulations,
@@ -242,6 +272,8 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         "step_latency": _percentiles(run["step_seconds"]), "one_env_latency": _percentiles(single["step_seconds"]),
         "actor_time": _phase_shares(run), "one_env_time": _phase_shares(single),
         "gpu": GpuMonitor.summarize(samples, t0, t1),
+        # whether the host's cores are the bound: all CPUs' busy share while the actors ran, and while the ceiling did
+        "host_cpu_busy": _cpu_busy(cpu0, cpu1), "ceiling_host_cpu_busy": ceiling_cpu,
         "energy_j_per_env_step": (energy - energy0) / run["env_steps"] if energy is not None and energy0 is not None
         else None,
         "seconds": run["seconds"],
@@ -253,8 +285,8 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     print(f"served {preset:8s} sims {row['simulations']:3d}  {row['actors']:2d} x {row['envs_per_actor']:3d} envs  "
           f"{rate:8,.0f} env steps/s  ceiling {ceiling:8,.0f} ({row['ratio_to_ceiling']:.0%})  "
           f"step p50 {lat.get('p50_ms', 0):6.1f} p99 {lat.get('p99_ms', 0):6.1f} ms  "
-          f"one env p50 {one.get('p50_ms', 0):5.1f} ms  GPU {row['gpu'].get('util_mean', float('nan')):5.1f} %",
-          flush=True)
+          f"one env p50 {one.get('p50_ms', 0):5.1f} ms  GPU {row['gpu'].get('util_mean', float('nan')):5.1f} %  "
+          f"host CPU {_percent(row['host_cpu_busy'])} (ceiling's {_percent(ceiling_cpu)})", flush=True)
     for name in ("actor_time", "one_env_time"):
         t = row[name]
         print(f"  {name:12s} " + "  ".join(f"{phase} {t.get(phase + '_share', 0):4.0%} "
