@@ -287,6 +287,9 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
           f"step p50 {lat.get('p50_ms', 0):6.1f} p99 {lat.get('p99_ms', 0):6.1f} ms  "
           f"one env p50 {one.get('p50_ms', 0):5.1f} ms  GPU {row['gpu'].get('util_mean', float('nan')):5.1f} %  "
           f"host CPU {_percent(row['host_cpu_busy'])} (ceiling's {_percent(ceiling_cpu)})", flush=True)
+    if len(row.get("lane_batches", [])) > 1:
+        print(f"  whole-search batches per lane {row['lane_batches']}  rows per batch "
+              f"{row['batches']['rows_per_batch']:.0f} (padding {row['batches']['padding_fraction']:.0%})", flush=True)
     for name in ("actor_time", "one_env_time"):
         t = row[name]
         print(f"  {name:12s} " + "  ".join(f"{phase} {t.get(phase + '_share', 0):4.0%} "
