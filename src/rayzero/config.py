@@ -499,7 +499,7 @@ class InferenceConfig:
     """torch.compile the network's recurrent step (dynamic batch: one compile at start-up, some seconds), so that
     each simulation of a search runs inductor's fused kernels instead of ~70 eager ones. Whole searches run
     faster at every batch size (docs/benchmarks.md, twenty-third session). The atari preset turns it on; off by
-    default, where a small network's compile would cost more than it saves."""
+    default (not measured with the other presets' networks)."""
     max_queue: int = 0
     """Backpressure: most rows waiting in the actor's queues (0 = 4 x max_batch). A request that would go beyond
     fails at once with `InferenceOverloaded` (retry later); one that finds the queues empty is always taken."""
