@@ -219,8 +219,7 @@ class InferenceServer:
         model = build_model(model_cfg, self.obs_shape, self.num_actions).to(self.device).eval()
         model.load_state_dict(self.model.state_dict())
         return self.gpu.submit(Runner, model, lane_cfg, self.obs_shape, self.obs_dtype, self.num_actions,
-                               bucket_ladder(self.cfg.min_bucket, top, self.cfg.ladder_steps), self.search_cfg, discount,
-                               seed).result()
+                               self.runner.search_ladder, self.search_cfg, discount, seed).result()
 
     def _eval_runner(self, model_cfg: ModelConfig, eval_rows: int, discount: float, seed: int) -> Runner:
         """inference.pinned_eval: the evaluation network, its greedy search captured now for one bucket (the
