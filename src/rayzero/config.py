@@ -243,6 +243,8 @@ class ReanalyseConfig:
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+INFERENCE_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+"""inference.compile_mode's: the modes that leave CUDA graphs to the inference actor's own captures."""
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
@@ -500,6 +502,10 @@ class InferenceConfig:
     each simulation of a search runs inductor's fused kernels instead of ~70 eager ones. Whole searches run
     faster at every batch size (docs/benchmarks.md, twenty-third session). The atari preset turns it on; off by
     default (not measured with the other presets' networks)."""
+    compile_mode: str = "default"
+    """With compile_recurrent: inductor's mode. 'default', or 'max-autotune-no-cudagraphs' (inductor times its own
+    Triton templates for the convs and matmuls against cuDNN/cuBLAS and keeps the faster, at a longer start-up;
+    its graphs are this actor's own captures either way)."""
     max_queue: int = 0
     """Backpressure: most rows waiting in the actor's queues (0 = 4 x max_batch). A request that would go beyond
     fails at once with `InferenceOverloaded` (retry later); one that finds the queues empty is always taken."""
@@ -520,6 +526,7 @@ class InferenceConfig:
             ("switch_interval_us", self.switch_interval_us >= 0, ">= 0 (0 = Python's default)"),
             ("max_queue", self.max_queue >= 0, ">= 0 (0 = 4 x inference.max_batch)"),
             ("stream_priority", self.stream_priority in ("high", "low"), "'high' or 'low'"),
+            ("compile_mode", self.compile_mode in INFERENCE_COMPILE_MODES, f"one of {INFERENCE_COMPILE_MODES}"),
         ])
 
 

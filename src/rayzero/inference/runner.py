@@ -134,7 +134,9 @@ class Runner:
         # The recurrent step as inductor's fused kernels (one compile for every batch size), inside the captured
         # graphs too: a small batch's search is bound by its kernel count, ~70 of them per simulation eagerly.
         # The parameters stay inputs of the compiled code, so weights copied in place are what it computes with.
-        self._recurrent = torch.compile(model.recurrent, dynamic=True) if cfg.compile_recurrent else model.recurrent
+        mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+        self._recurrent = (torch.compile(model.recurrent, dynamic=True, mode=mode) if cfg.compile_recurrent
+                           else model.recurrent)
         self.M, self.A = cfg.max_batch, num_actions
         self.P = cfg.latent_pool_size
         self.ladder = list(ladder)
