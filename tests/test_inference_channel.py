@@ -381,3 +381,28 @@ def test_the_poller_thread_sleeps_with_a_fine_timer_slack_and_other_threads_keep
     thread.start()
     thread.join()
     assert out == [(1000, 1000)] and libc.prctl(30, 0, 0, 0, 0) == mine
+
+
+def test_the_poller_sweeps_fast_while_a_request_is_in_flight_and_backs_off_once_answered():
+    """A search can outlast the poller's idle_after_s; its client's next request comes right after the answer, so
+    the poller must not be in its long idle sleeps then. Known answer: with idle sweeps 50 ms apart, 200 ms with a
+    request in flight see hundreds of sweeps (20 us apart); 200 ms after its answer see at most a handful."""
+    from rayzero.inference import channel
+
+    sweeps = []
+    poller = channel.Poller(lambda new: None, idle_after_s=0.001, idle_sleep_s=0.05,
+                            on_idle=lambda: sweeps.append(time.monotonic()) and False)
+    header = np.zeros(channel.HEADER, dtype=np.int64)
+    poller.add(channel.ServerChannel("c", {"header": header}))
+    header[channel.REQ] = 1  # sent, not answered
+    time.sleep(0.05)
+    start = len(sweeps)
+    time.sleep(0.2)
+    in_flight = len(sweeps) - start
+    header[channel.DONE] = 1  # answered
+    time.sleep(0.1)
+    start = len(sweeps)
+    time.sleep(0.2)
+    answered = len(sweeps) - start
+    assert in_flight > 100, in_flight
+    assert answered <= 6, answered

@@ -46,9 +46,11 @@ OVERLOADED = 2  # STATUS of a request refused by backpressure (1: any other erro
 ERROR_BYTES = 1024
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 POLL_TIMER_SLACK_NS = 1000
-"""Timer slack of the poller thread: Linux lets a sleep end up to the thread's slack late (50 us by default), so
-the poller's 20 us sweeps would come every ~70 us, and each channel request would wait that much longer."""
+"""Timer slack of the poller thread and of a client's waiting thread: Linux lets a sleep end up to the thread's slack
+late (50 us by default), so 20 us sweeps would come every ~70 us, and each channel request would wait that much
+longer."""
 _PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
+_fine_sleeps = threading.local()  # `set`: this client thread's timer slack is POLL_TIMER_SLACK_NS already
 
 
 def set_timer_slack(ns: int) -> int | None:
@@ -178,8 +180,9 @@ class Poller:
     Once a second it closes the channels of clients
     whose process ended (then calls `on_gone(client)`) and those idle longer than `idle_timeout_s` (if > 0): a
     client that comes back opens a new one. It sweeps every `sleep_s` while requests come, and backs off to
-    `idle_sleep_s` once none has come for `idle_after_s` (self-play held back by the replay ratio leaves every
-    channel quiet for seconds, and a spinning sweep takes a core and the actor's GIL)."""
+    `idle_sleep_s` once none has come, and none has been in flight, for `idle_after_s` (self-play held back by the
+    replay ratio leaves every channel quiet for seconds, and a spinning sweep takes a core and the actor's GIL; a
+    client waiting on a search longer than that sends its next request right after the answer)."""
 
     def __init__(self, on_requests: Callable[[list[tuple[ServerChannel, int]]], None], idle_timeout_s: float = 0.0,
                  sleep_s: float = 20e-6, on_gone: Callable[[str], None] | None = None, idle_after_s: float = 0.005,
@@ -260,6 +263,8 @@ class Poller:
                         busy = bool(self.on_idle())
                     except Exception:  # noqa: BLE001 - the poller goes on
                         pass
+                if any(channel.seen != int(channel.header[DONE]) for channel in channels):
+                    last_request = now  # a request in flight: its client comes back right after the answer
                 idle = not busy and now - last_request > self.idle_after_s
                 time.sleep(self.idle_sleep_s if idle else self.sleep_s)
 
@@ -442,6 +447,9 @@ class InferenceClient:
         while h[DONE] != seq:
             spins += 1
             if spins > 100:
+                if not getattr(_fine_sleeps, "set", False):  # this thread's 20 us sleeps, not ~70 us
+                    set_timer_slack(POLL_TIMER_SLACK_NS)
+                    _fine_sleeps.set = True
                 time.sleep(20e-6)
                 if spins % 1000 == 0:
                     if h[CLOSED]:
