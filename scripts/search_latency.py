@@ -2,12 +2,12 @@
 greedy evaluation's 10 games, a self-play half of 32 envs. Each variant (inference overrides, e.g.
 `compile_recurrent=true`) builds its own inference actor with the preset's network and search, alone on the
 device, and times `search` requests one after another (p50 and p99 of the round trip, and the device's share).
-With `--kernels N` (CUDA) it also traces N one-root searches of each variant (torch.profiler): the kernels a
-search runs, their summed time against the search's wall time on the device (the rest is gaps between kernels),
-and the kernels that take the most. It prints tables and writes JSON with machine, versions and date.
+With `--kernels N` (CUDA) it also traces N searches of each variant at each bucket of `--kernel-rows`
+(torch.profiler): the kernels a search runs, their summed time against the search's wall time on the device (the
+rest is gaps between kernels), and the kernels that take the most. It prints tables and writes JSON with machine, versions and date.
 
     python3 scripts/search_latency.py [--preset atari] [--rows 1,10,32] [--requests 200] [--json PATH] \
-        [--variants "plain;compile_recurrent=true;simulations=16;virtual_loss=4"] [--kernels 20]
+        [--variants "plain;compile_recurrent=true;simulations=16;virtual_loss=4"] [--kernels 20 --kernel-rows 1,256]
 """
 from __future__ import annotations
 
@@ -49,14 +49,16 @@ def variant_config(base: InferenceConfig, spec: str) -> tuple[InferenceConfig, i
     return dataclasses.replace(base, **changes), simulations, virtual_loss
 
 
-def kernel_table(runner, searches: int, top: int = 15) -> dict:
-    """Trace `searches` one-root whole searches (initial step and captured search, back to back on the runner's
-    stream): kernels per search, their summed device time, the wall time, and the `top` kernels by time."""
+def kernel_table(runner, searches: int, rows: int = 1, top: int = 15) -> dict:
+    """Trace `searches` whole searches of `rows` roots (initial step and captured search at that bucket, back to
+    back on the runner's stream): kernels per search, their summed device time, the wall time, and the `top`
+    kernels by time."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner.profile("search", 1, 3, graph=True)  # captured and warm before the trace
+    bucket = runner.search_bucket(rows)
+    runner.profile("search", bucket, 3, graph=True)  # captured and warm before the trace
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        wall_s = runner.profile("search", 1, searches, graph=True)
+        wall_s = runner.profile("search", bucket, searches, graph=True)
     calls = searches + 2  # Runner.profile runs two untimed steps first
     kernels = []
     for event in prof.key_averages():
@@ -69,13 +71,14 @@ def kernel_table(runner, searches: int, top: int = 15) -> dict:
             continue
         kernels.append({"name": event.key, "per_search": event.count / calls, "us_per_search": total / calls})
     kernels.sort(key=lambda k: -k["us_per_search"])
-    return {"searches": searches, "wall_ms": 1e3 * wall_s,
+    return {"searches": searches, "bucket": bucket, "wall_ms": 1e3 * wall_s,
             "kernels_per_search": sum(k["per_search"] for k in kernels),
             "kernel_ms": sum(k["us_per_search"] for k in kernels) / 1e3, "top": kernels[:top]}
 
 
 def time_variant(config: config_lib.Config, inference: InferenceConfig, rows: list[int], requests: int,
-                 simulations: int = 0, virtual_loss: int = 0, kernels: int = 0) -> dict:
+                 simulations: int = 0, virtual_loss: int = 0, kernels: int = 0,
+                 kernel_rows: tuple[int, ...] = (1,)) -> dict:
     spec = env_spec(config.env)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     search_cfg = dataclasses.replace(config.search, dirichlet_fraction=0.0, temperature=0.0,  # greedy: evaluation
@@ -100,7 +103,7 @@ def time_variant(config: config_lib.Config, inference: InferenceConfig, rows: li
         out["rows"][n] = {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99)),
                           "device_ms": float(np.median(device_ms)), "requests": requests}
     if kernels and device == "cuda":
-        out["kernels"] = srv.gpu.submit(kernel_table, srv.runner, kernels).result()
+        out["kernels"] = [srv.gpu.submit(kernel_table, srv.runner, kernels, n).result() for n in kernel_rows]
     return out
 
 
@@ -110,7 +113,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,10,32")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--variants", default="plain;compile_recurrent=true")
-    parser.add_argument("--kernels", type=int, default=0, help="trace this many one-root searches (CUDA)")
+    parser.add_argument("--kernels", type=int, default=0, help="trace this many searches per bucket (CUDA)")
+    parser.add_argument("--kernel-rows", default="1", help="the searches' roots (their buckets) to trace")
     parser.add_argument("--json")
     args = parser.parse_args()
     config = config_lib.load(args.preset)
@@ -119,20 +123,18 @@ def main() -> None:
     for spec in args.variants.split(";"):
         inference, simulations, virtual_loss = variant_config(config.inference, spec)
         results[spec] = time_variant(config, inference, rows, args.requests, simulations, virtual_loss,
-                                     args.kernels)
+                                     args.kernels, tuple(int(r) for r in args.kernel_rows.split(",")))
         print(f"{spec}: ready in {results[spec]['ready_s']:.1f} s", flush=True)
     print(f"{'variant':32s} {'rows':>5s} {'p50 ms':>8s} {'p99 ms':>8s} {'device ms':>10s}")
     for spec, result in results.items():
         for n, row in result["rows"].items():
             print(f"{spec:32s} {n:5d} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['device_ms']:10.2f}")
     for spec, result in results.items():
-        k = result.get("kernels")
-        if not k:
-            continue
-        print(f"\n{spec}: one-root search {k['wall_ms']:.2f} ms on the device, {k['kernels_per_search']:.0f} kernels "
-              f"summing {k['kernel_ms']:.2f} ms")
-        for row in k["top"]:
-            print(f"  {row['us_per_search']:8.1f} us  {row['per_search']:6.1f} x  {row['name'][:90]}")
+        for k in result.get("kernels", []):
+            print(f"\n{spec}: search of bucket {k['bucket']}: {k['wall_ms']:.2f} ms on the device, "
+                  f"{k['kernels_per_search']:.0f} kernels summing {k['kernel_ms']:.2f} ms")
+            for row in k["top"]:
+                print(f"  {row['us_per_search']:8.1f} us  {row['per_search']:6.1f} x  {row['name'][:90]}")
     write_json(args.json, "search_latency", {"preset": args.preset, "variants": results})
 
 
