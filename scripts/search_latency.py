@@ -4,7 +4,8 @@ greedy evaluation's 10 games, a self-play half of 32 envs. Each variant (inferen
 device, and times `search` requests one after another (p50 and p99 of the round trip, and the device's share).
 With `--kernels N` (CUDA) it also traces N searches of each variant at each bucket of `--kernel-rows`
 (torch.profiler): the kernels a search runs, their summed time against the search's wall time on the device (the
-rest is gaps between kernels), and the kernels that take the most. It prints tables and writes JSON with machine, versions and date.
+rest is gaps between kernels), and the kernels that take the most. It prints tables and writes JSON with machine,
+versions and date.
 
     python3 scripts/search_latency.py [--preset atari] [--rows 1,10,32] [--requests 200] [--json PATH] \
         [--variants "plain;compile_recurrent=true;simulations=16;virtual_loss=4"] [--kernels 20 --kernel-rows 1,256]

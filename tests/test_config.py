@@ -31,7 +31,8 @@ def test_overrides_apply_to_their_section():
         ("replay.discount=1.5", "replay.discount=1.5 is invalid: must be in (0, 1]"),
         ("env.image_size=72", "64, 84 or 96"),
         ("inference.compile_mode=reduce-overhead",
-         "inference.compile_mode='reduce-overhead' is invalid: must be one of ('default', 'max-autotune-no-cudagraphs')"),
+         "inference.compile_mode='reduce-overhead' is invalid: must be one of "
+         "('default', 'max-autotune-no-cudagraphs')"),
         ("justtext", "section.field=value"),
     ],
 )
