@@ -125,7 +125,11 @@ def main() -> None:
         inference, simulations, virtual_loss = variant_config(config.inference, spec)
         results[spec] = time_variant(config, inference, rows, args.requests, simulations, virtual_loss,
                                      args.kernels, tuple(int(r) for r in args.kernel_rows.split(",")))
-        print(f"{spec}: ready in {results[spec]['ready_s']:.1f} s", flush=True)
+        print(f"{spec}: ready in {results[spec]['ready_s']:.1f} s; " + "; ".join(
+            f"{n} rows p50 {row['p50_ms']:.2f} ms (device {row['device_ms']:.2f})"
+            for n, row in results[spec]["rows"].items()), flush=True)
+        if args.json:  # the variants so far, in case a later one does not finish (a device call's limit)
+            write_json(args.json, "search_latency", {"preset": args.preset, "variants": results, "partial": True})
     print(f"{'variant':32s} {'rows':>5s} {'p50 ms':>8s} {'p99 ms':>8s} {'device ms':>10s}")
     for spec, result in results.items():
         for n, row in result["rows"].items():

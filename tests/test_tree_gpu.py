@@ -43,7 +43,8 @@ def _mlp_model(A: int, D: int, device: str, seed: int = 0):
 
 
 def _id(c: SearchConfig) -> str:
-    return f"{c.policy}-{c.temperature}-{c.gumbel_scale}" + (f"-minq{c.min_q_range}" if c.min_q_range else "")
+    return (f"{c.policy}-{c.temperature}-{c.gumbel_scale}" + (f"-minq{c.min_q_range}" if c.min_q_range else "")
+            + (f"-vl{c.virtual_loss}" if c.virtual_loss > 1 else ""))
 
 
 CONFIGS = [
@@ -53,6 +54,9 @@ CONFIGS = [
     SearchConfig(policy="muzero", dirichlet_fraction=0.25, temperature=1.0, min_q_range=5.0),
     SearchConfig(policy="gumbel", gumbel_scale=1.0, max_num_considered_actions=8),
     SearchConfig(policy="gumbel", gumbel_scale=0.0, max_num_considered_actions=16),
+    # Virtual loss: K walks per wave (the last wave partial where K does not divide the simulations).
+    SearchConfig(policy="muzero", dirichlet_fraction=0.25, temperature=1.0, virtual_loss=2),
+    SearchConfig(policy="muzero", dirichlet_fraction=0.0, temperature=0.0, virtual_loss=3),
 ]
 
 

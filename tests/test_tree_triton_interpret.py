@@ -1,7 +1,7 @@
 """The tree's fused Triton kernels against the torch path, run by Triton's interpreter on CPU tensors.
 
 CI has no GPU, so this is where the kernels' logic (selection with the first-play rule, expansion and backup,
-MuZero and Gumbel) is checked on every change; tests/test_tree_gpu.py runs the compiled kernels on CUDA.
+MuZero and Gumbel, the virtual-loss walks) is checked on every change; tests/test_tree_gpu.py runs the compiled kernels on CUDA.
 The interpreter must be switched on before the kernels are defined, hence a fresh interpreter process.
 """
 
@@ -24,6 +24,12 @@ SCRIPT = textwrap.dedent("""
 
     assert kernels.triton_importable()
     kernels.available = lambda device: True  # the interpreter runs the kernels on CPU tensors
+    calls = {{"select": 0, "select_claim": 0}}
+    for name in calls:  # count the launches, so a path that skips the kernels cannot pass unseen
+        def counted(*args, _name=name, _fn=getattr(kernels, name)):
+            calls[_name] += 1
+            return _fn(*args)
+        setattr(kernels, name, counted)
     B, A, D, n = 12, 6, 8, 16
     for config in CONFIGS:
         g = torch.Generator().manual_seed(1)
@@ -42,14 +48,16 @@ SCRIPT = textwrap.dedent("""
         else:
             torch.testing.assert_close(fused.tree.value_sums, plain.tree.value_sums)
         assert fused.visit_counts[invalid].eq(0).all()
+    assert calls["select"] > 0 and calls["select_claim"] > 0, calls
     print("ok", len(CONFIGS))
 """)
 
 
 def test_triton_kernels_match_the_torch_path_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    # RAYZERO_TREE_NUMBA=0: CPU tensors would otherwise take the compiled CPU tree, on both sides of the comparison.
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore", RAYZERO_TREE_NUMBA="0")
     tests = str(Path(__file__).parent)
     result = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests)], capture_output=True, text=True,
                             timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert result.stdout.strip().endswith("ok 5")  # every config of test_tree_gpu.CONFIGS ran
+    assert result.stdout.strip().endswith("ok 7")  # every config of test_tree_gpu.CONFIGS ran

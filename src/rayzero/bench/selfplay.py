@@ -10,8 +10,8 @@ and energy per env step (NVML), how full the inference actor's batches were, and
 default rows are the `atari` preset at 50 simulations with its envs per actor and with 16, at 200 simulations,
 and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor),
 each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256,
-cut,lanes2,lanes3,lanes2_128,lanes3_128` picks some of them (a device call may not have time for all four);
-envs128, cpu128, cpu256, cut and the lanes rows run only when asked for.
+cut,lanes2,lanes3,lanes2_128,lanes3_128,vl2,vl4` picks some of them (a device call may not have time for all four);
+envs128, cpu128, cpu256, cut, the lanes and the virtual-loss rows run only when asked for.
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
@@ -307,7 +307,8 @@ GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [
             "cut": [*_HOST, "inference.bucket_cut=true"],
             "lanes2": [*_HOST, "inference.search_lanes=2"], "lanes3": [*_HOST, "inference.search_lanes=3"],
             "lanes2_128": [*_HOST, "inference.search_lanes=2", "env.num_envs=128"],
-            "lanes3_128": [*_HOST, "inference.search_lanes=3", "env.num_envs=128"]}
+            "lanes3_128": [*_HOST, "inference.search_lanes=3", "env.num_envs=128"],
+            "vl2": [*_HOST, "search.virtual_loss=2"], "vl4": [*_HOST, "search.virtual_loss=4"]}
 """The rows on a GPU host: the preset's envs per actor, then 16 (searches of a quarter the roots) or 128 (twice
 the roots: a whole search's time grows far slower than its roots, so larger searches move more env steps per GPU
 second, if the envs keep up), 200 simulations, and the trees walked on the CPU, with the preset's envs per actor
@@ -315,7 +316,8 @@ and with 128 (a CPU search's simulation waves wait on the round trip to the infe
 per wave may come near twice the env steps; the default rows leave it out) or 256 (the same again, where 128
 left the GPU mostly idle in the fifteenth session), the preset with whole searches cut at a smaller bucket
 where that moves more rows per device second (inference.bucket_cut=true), and the preset with 2 or 3 search lanes
-(whole searches in flight at once on their own streams), with the preset's envs per actor or 128. Every row sizes self-play from the host (as many actors as the
+(whole searches in flight at once on their own streams), with the preset's envs per actor or 128, and the
+preset with virtual loss 2 or 4 (K walks per tree per network call: a K times shorter chain of calls). Every row sizes self-play from the host (as many actors as the
 plan gives): the preset pins one actor, which is what its learner needs at its replay ratio, while this bench
 measures what self-play on the host can do."""
 

@@ -29,6 +29,26 @@ class KernelPath:
         self.flat_parent = torch.zeros((B,), **i64)
 
 
+class KernelWave:
+    """The fused walks of a virtual-loss wave (K walks per tree, walk-major): nodes/actions [K, B, L], depth,
+    the leaf edge (parent, action), its parent's index in the [B * N] node views, the leaf node and whether an
+    earlier walk of the wave had claimed it (dup, int8) [K, B] each."""
+
+    __slots__ = ("action", "actions", "depth", "dup", "flat_parent", "leaf", "nodes", "parent")
+
+    def __init__(self, ctx: _Context) -> None:
+        K, B, L = ctx.K, ctx.B, ctx.num_simulations + 1
+        i64 = {"dtype": torch.int64, "device": ctx.device}
+        self.nodes = torch.zeros((K, B, L), **i64)
+        self.actions = torch.zeros((K, B, L), **i64)
+        self.depth = torch.zeros((K, B), **i64)
+        self.parent = torch.zeros((K, B), **i64)
+        self.action = torch.zeros((K, B), **i64)
+        self.flat_parent = torch.zeros((K, B), **i64)
+        self.leaf = torch.zeros((K, B), **i64)
+        self.dup = torch.zeros((K, B), dtype=torch.int8, device=ctx.device)
+
+
 class _Context:
     """Per-search constants and flat views shared by the steps (no tensors are allocated per step here)."""
 
@@ -67,3 +87,4 @@ class _Context:
         self.low: torch.Tensor | None = None  # [B, 1] muzero: Q normalisation bounds of the current walk
         self.spread: torch.Tensor | None = None
         self.triton_path: KernelPath | None = None  # the fused walk's buffers
+        self.triton_wave: KernelWave | None = None  # the fused virtual-loss walks' buffers

@@ -22,7 +22,7 @@ from rayzero.tree.action_selection import (
     muzero_scores,
 )
 from rayzero.tree.base import RecurrentFn, RecurrentOutput, RootOutput, SearchConfig, SearchOutput
-from rayzero.tree.context import _Context
+from rayzero.tree.context import KernelWave, _Context
 from rayzero.tree.noise import SearchNoise, dirichlet_from_log_gamma, sample_gumbel, sample_log_gamma
 from rayzero.tree.qtransforms import completed_qvalues, minmax_bounds
 from rayzero.tree.seq_halving import considered_visits_table
@@ -88,11 +88,11 @@ def search(
         )
     if generator is not None and generator.device.type != device.type:
         raise ValueError(f"generator is on {generator.device} but the search inputs are on {device}")
-    triton_ok = kernels.available(device) and K == 1
+    triton_ok = kernels.available(device)
     if use_triton and not triton_ok:
         raise ValueError(
-            f"use_triton=True needs CUDA tensors, an importable triton and virtual_loss=1 "
-            f"(device={device}, triton={kernels.triton_importable()}, virtual_loss={K})"
+            f"use_triton=True needs CUDA tensors and an importable triton "
+            f"(device={device}, triton={kernels.triton_importable()})"
         )
     triton = (triton_ok and config.triton) if use_triton is None else bool(use_triton)
     per_row = noise is not None and (noise.root_fraction is not None or noise.temperature is not None)
@@ -112,8 +112,11 @@ def search(
         first = 1 + w * K
         k_wave = min(K, n - w * K)
         max_steps = 1 + w * K  # a tree of `first` complete nodes is at most that many steps deep
-        if triton:
+        if triton and K == 1:
             _simulate_fused(tree, ctx, recurrent_fn, sim=w)
+            continue
+        if triton:
+            _wave_fused(tree, ctx, recurrent_fn, first, k_wave)
             continue
         if K == 1:
             path = _select(tree, ctx, sim=w, max_steps=max_steps)
@@ -463,6 +466,34 @@ def _simulate_fused(tree: Tree, ctx: _Context, recurrent_fn: RecurrentFn, sim: i
     tree_map2(lambda dst, src: dst[:, node].copy_(src), tree.embeddings, next_embedding)
     tree.edges[:, node, PRIOR] = torch.softmax(out.prior_logits.float(), dim=-1)
     kernels.expand_backup(tree, ctx, path, node, out.value.float(), out.reward.float(), out.discount.float())
+
+
+def _wave_fused(tree: Tree, ctx: _Context, recurrent_fn: RecurrentFn, first: int, k_wave: int) -> None:
+    """One virtual-loss wave with the Triton kernels: k_wave walks, one network call, expansion, k_wave backups
+    (the torch path's wave, in the same order)."""
+    B = ctx.B
+    wave = ctx.triton_wave
+    if wave is None:
+        wave = ctx.triton_wave = KernelWave(ctx)
+    for k in range(k_wave):
+        kernels.select_claim(tree, ctx, wave, k, first)
+    assert tree.virtual_visits is not None
+    tree.virtual_visits.zero_()
+    flat = wave.flat_parent[:k_wave].flatten()  # walk-major: row k * B + b
+    parent_embedding = tree_map(lambda t: t.flatten(0, 1).index_select(0, flat), tree.embeddings)
+    out, next_embedding = recurrent_fn(wave.action[:k_wave].flatten(), parent_embedding)
+    _check_recurrent(out, next_embedding, k_wave * B, ctx.A, tree.embeddings)
+
+    def bk(x: torch.Tensor) -> torch.Tensor:  # [K * B, ...] -> [B, K, ...]
+        return x.reshape(k_wave, B, *x.shape[1:]).transpose(0, 1)
+
+    nodes = slice(first, first + k_wave)
+    tree_map2(lambda dst, src: dst[:, nodes].copy_(bk(src)), tree.embeddings, next_embedding)
+    tree.edges[:, nodes, PRIOR] = bk(torch.softmax(out.prior_logits.float(), dim=-1))
+    value = out.value.float()
+    kernels.expand_wave(tree, ctx, wave, first, k_wave, value, out.reward.float(), out.discount.float())
+    for k in range(k_wave):
+        kernels.backup(tree, ctx, wave, k, value[k * B:(k + 1) * B])
 
 
 def _backup(tree: Tree, ctx: _Context, path: Path, leaf: torch.Tensor, leaf_value: torch.Tensor) -> None:
