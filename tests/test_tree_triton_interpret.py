@@ -1,7 +1,8 @@
 """The tree's fused Triton kernels against the torch path, run by Triton's interpreter on CPU tensors.
 
 CI has no GPU, so this is where the kernels' logic (selection with the first-play rule, expansion and backup,
-MuZero and Gumbel, the virtual-loss walks) is checked on every change; tests/test_tree_gpu.py runs the compiled kernels on CUDA.
+MuZero and Gumbel, the virtual-loss walks) is checked on every change; tests/test_tree_gpu.py runs the compiled
+kernels on CUDA.
 The interpreter must be switched on before the kernels are defined, hence a fresh interpreter process.
 """
 

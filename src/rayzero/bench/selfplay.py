@@ -317,9 +317,9 @@ per wave may come near twice the env steps; the default rows leave it out) or 25
 left the GPU mostly idle in the fifteenth session), the preset with whole searches cut at a smaller bucket
 where that moves more rows per device second (inference.bucket_cut=true), and the preset with 2 or 3 search lanes
 (whole searches in flight at once on their own streams), with the preset's envs per actor or 128, and the
-preset with virtual loss 2 or 4 (K walks per tree per network call: a K times shorter chain of calls). Every row sizes self-play from the host (as many actors as the
-plan gives): the preset pins one actor, which is what its learner needs at its replay ratio, while this bench
-measures what self-play on the host can do."""
+preset with virtual loss 2 or 4 (K walks per tree per network call: a K times shorter chain of calls). Every row
+sizes self-play from the host (as many actors as the plan gives): the preset pins one actor, which is what its
+learner needs at its replay ratio, while this bench measures what self-play on the host can do."""
 
 
 DEFAULT_ROWS = ("preset", "envs16", "sims200", "cpu")
