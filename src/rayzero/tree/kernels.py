@@ -434,14 +434,14 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
             d = tl.load(discount_ptr + i * discount_stride)
             parent = tl.load(parent_ptr + i)
             act = tl.load(action_ptr + i)
-            dup = tl.load(dup_ptr + i) != 0
+            dup = tl.load(dup_ptr + i)
             node_row = b * N + first + k
             tl.store(raw_ptr + node_row, v)
             tl.store(rewards_ptr + node_row, r)
             tl.store(discounts_ptr + node_row, d)
-            tl.store(parents_ptr + node_row, tl.where(dup, -1, parent))
-            tl.store(afp_ptr + node_row, tl.where(dup, -1, act))
-            if not dup:
+            tl.store(parents_ptr + node_row, tl.where(dup != 0, -1, parent))
+            tl.store(afp_ptr + node_row, tl.where(dup != 0, -1, act))
+            if dup == 0:
                 e = edges_ptr + (b * N + parent) * (C * A) + act
                 tl.store(e + CH_REWARD * A, r)
                 tl.store(e + CH_DISCOUNT * A, d)
