@@ -98,6 +98,44 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
         return scale * completed, sum_vis
 
     @triton.jit
+    def _backup_path(edges_ptr, visits_ptr, sums_ptr, vmin_ptr, vmax_ptr, path_nodes_ptr, path_actions_ptr, b, N, A,
+                     L, last, v, cv, cval, r_leaf, d_leaf, LEAF_IN_REGISTERS: tl.constexpr, MINMAX: tl.constexpr,
+                     C: tl.constexpr, CH_VISITS: tl.constexpr, CH_VALUE: tl.constexpr, CH_REWARD: tl.constexpr,
+                     CH_DISCOUNT: tl.constexpr):
+        """Walk tree b's path (edges 0..last) up from its leaf, whose updated visits/value are cv/cval: the edge
+        statistics, the nodes' visits and value sums (returns G = r + d * G from the leaf value v), and the
+        tree's min/max Q (returned: lo, hi). LEAF_IN_REGISTERS: the leaf edge's reward/discount are r_leaf/d_leaf
+        (stored by this program just before, so not read back)."""
+        lo = tl.load(vmin_ptr + b)
+        hi = tl.load(vmax_ptr + b)
+        k = last
+        g = v
+        while k >= 0:
+            p = tl.load(path_nodes_ptr + b * L + k)
+            a = tl.load(path_actions_ptr + b * L + k)
+            e = edges_ptr + (b * N + p) * (C * A) + a
+            if LEAF_IN_REGISTERS:
+                r = tl.where(k == last, r_leaf, tl.load(e + CH_REWARD * A))
+                d = tl.where(k == last, d_leaf, tl.load(e + CH_DISCOUNT * A))
+            else:
+                r = tl.load(e + CH_REWARD * A)
+                d = tl.load(e + CH_DISCOUNT * A)
+            tl.store(e + CH_VISITS * A, cv)
+            tl.store(e + CH_VALUE * A, cval)
+            if MINMAX:
+                qk = r + d * cval
+                lo = tl.minimum(lo, qk)
+                hi = tl.maximum(hi, qk)
+            g = r + d * g
+            cv = tl.load(visits_ptr + b * N + p) + 1.0
+            cs = tl.load(sums_ptr + b * N + p) + g
+            tl.store(visits_ptr + b * N + p, cv)
+            tl.store(sums_ptr + b * N + p, cs)
+            cval = tl.div_rn(cs, cv)
+            k -= 1
+        return lo, hi
+
+    @triton.jit
     def _select_kernel(
         edges_ptr,
         visits_ptr,
@@ -269,31 +307,9 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
         tl.store(visits_ptr + node_row, cv)
         tl.store(sums_ptr + node_row, cs)
         cval = tl.div_rn(cs, cv)
-        lo = tl.load(vmin_ptr + b)
-        hi = tl.load(vmax_ptr + b)
-        last = tl.load(depth_ptr + b) - 1
-        k = last
-        g = v
-        while k >= 0:
-            p = tl.load(path_nodes_ptr + b * L + k)
-            a = tl.load(path_actions_ptr + b * L + k)
-            e = edges_ptr + (b * N + p) * (C * A) + a
-            # The leaf edge's reward/discount were stored above: use the registers, not a re-read.
-            r = tl.where(k == last, r_leaf, tl.load(e + CH_REWARD * A))
-            d = tl.where(k == last, d_leaf, tl.load(e + CH_DISCOUNT * A))
-            tl.store(e + CH_VISITS * A, cv)
-            tl.store(e + CH_VALUE * A, cval)
-            if MINMAX:
-                qk = r + d * cval
-                lo = tl.minimum(lo, qk)
-                hi = tl.maximum(hi, qk)
-            g = r + d * g
-            cv = tl.load(visits_ptr + b * N + p) + 1.0
-            cs = tl.load(sums_ptr + b * N + p) + g
-            tl.store(visits_ptr + b * N + p, cv)
-            tl.store(sums_ptr + b * N + p, cs)
-            cval = tl.div_rn(cs, cv)
-            k -= 1
+        lo, hi = _backup_path(edges_ptr, visits_ptr, sums_ptr, vmin_ptr, vmax_ptr, path_nodes_ptr, path_actions_ptr,
+                              b, N, A, L, tl.load(depth_ptr + b) - 1, v, cv, cval, r_leaf, d_leaf,
+                              True, MINMAX, C, CH_VISITS, CH_VALUE, CH_REWARD, CH_DISCOUNT)
         if MINMAX:
             tl.store(vmin_ptr + b, lo)
             tl.store(vmax_ptr + b, hi)
@@ -476,29 +492,9 @@ if _TRITON:  # pragma: no cover - compiled on CUDA hosts only
         cs = tl.load(sums_ptr + node_row) + v
         tl.store(visits_ptr + node_row, cv)
         tl.store(sums_ptr + node_row, cs)
-        cval = tl.div_rn(cs, cv)
-        lo = tl.load(vmin_ptr + b)
-        hi = tl.load(vmax_ptr + b)
-        k = tl.load(depth_ptr + b) - 1
-        g = v
-        while k >= 0:
-            p = tl.load(path_nodes_ptr + b * L + k)
-            a = tl.load(path_actions_ptr + b * L + k)
-            e = edges_ptr + (b * N + p) * (C * A) + a
-            r = tl.load(e + CH_REWARD * A)
-            d = tl.load(e + CH_DISCOUNT * A)
-            tl.store(e + CH_VISITS * A, cv)
-            tl.store(e + CH_VALUE * A, cval)
-            qk = r + d * cval
-            lo = tl.minimum(lo, qk)
-            hi = tl.maximum(hi, qk)
-            g = r + d * g
-            cv = tl.load(visits_ptr + b * N + p) + 1.0
-            cs = tl.load(sums_ptr + b * N + p) + g
-            tl.store(visits_ptr + b * N + p, cv)
-            tl.store(sums_ptr + b * N + p, cs)
-            cval = tl.div_rn(cs, cv)
-            k -= 1
+        lo, hi = _backup_path(edges_ptr, visits_ptr, sums_ptr, vmin_ptr, vmax_ptr, path_nodes_ptr, path_actions_ptr,
+                              b, N, A, L, tl.load(depth_ptr + b) - 1, v, cv, tl.div_rn(cs, cv), 0.0, 0.0,
+                              False, True, C, CH_VISITS, CH_VALUE, CH_REWARD, CH_DISCOUNT)
         tl.store(vmin_ptr + b, lo)
         tl.store(vmax_ptr + b, hi)
 
