@@ -911,11 +911,13 @@ def test_emulated_cuda_batches_beyond_the_ladder_run_on_the_compute_stream(emula
     assert root["version"] == 1 and srv.stats()["errors"] == 0
 
 
-@pytest.mark.parametrize("whole_search", [True, False], ids=["gpu-search", "cpu-search"])
-def test_selfplay_in_halves_through_ray(whole_search):
-    """Central mode, here on the CPU. Whole searches (the GPU default): each half of the envs has its search in
-    flight while the other steps. CPU search: the two halves walk their trees in two threads, each through its
-    own channel and latent slots. Either way every env's steps reach replay once, in order."""
+@pytest.mark.parametrize("whole_search, groups", [(True, 2), (True, 3), (False, 3)],
+                         ids=["gpu-search", "gpu-search-3-groups", "cpu-search"])
+def test_selfplay_in_halves_through_ray(whole_search, groups):
+    """Central mode, here on the CPU. Whole searches (the GPU default): each group of the envs (two halves, or
+    three groups of 3, 2 and 2 envs) has its search in flight while the others step. CPU search: two halves
+    (whatever env.search_groups says) walk their trees in two threads, each through its own channel and latent
+    slots. Either way every env's steps reach replay once, in order."""
     import ray
 
     from rayzero.actors.network import RemoteNetwork
@@ -932,13 +934,17 @@ def test_selfplay_in_halves_through_ray(whole_search):
             MODEL, cfg, (4,), 2, 0, search_cfg=search_cfg, discount=0.99)
         replay = ReplayBuffer(ReplayConfig(capacity=1000, segment_length=10, min_size=0))
         worker = SelfPlayWorker(
-            EnvConfig(id="CartPole-v1", num_envs=3), MODEL, search_cfg,
+            EnvConfig(id="CartPole-v1", num_envs=7 if groups == 3 else 3, search_groups=groups), MODEL, search_cfg,
             ReplayConfig(capacity=1000, segment_length=10, min_size=0), seed=0, sink=replay.add,
             evaluator=RemoteNetwork(actor, 0.99, "sp-0", whole_search=whole_search),
         )
-        assert len(worker.halves) == 2 and worker.threaded == (not whole_search)
+        assert worker.threaded == (not whole_search)
+        expected = [3, 2, 2] if whole_search and groups == 3 else ([4, 3] if groups == 3 else [2, 1])
+        assert [len(half.rows) for half in worker.halves] == expected
+        assert np.concatenate([half.rows for half in worker.halves]).tolist() == list(range(worker.num_envs))
         result = worker.collect(30, temperature=1.0)
-        assert result["env_steps"] == 90 and result["transitions_sent"] > 0 and len(result["step_seconds"]) == 30
+        assert result["env_steps"] == 30 * worker.num_envs and result["transitions_sent"] > 0
+        assert len(result["step_seconds"]) == 30
         # Where the steps went (bench selfplay's breakdown): the search and the envs are both timed, and the
         # phases fit inside the steps (the pipelined mode's first submit of each half is before the first step).
         phases = result["phase_seconds"]

@@ -70,6 +70,10 @@ class EnvConfig:
     """Clip training rewards to [-1, 1] (never for evaluation)."""
     max_episode_steps: int = 0
     """Truncate episodes after this many steps (0 = the env's own limit; Atari default 27000 = 108k frames)."""
+    search_groups: int = 2
+    """With the inference actor's whole searches: the self-play actor's envs in this many vector envs, each with
+    its search in flight while the others step (2: two halves; more give each search longer to come back, in
+    smaller requests). CPU search (search.device=cpu) always uses two halves."""
     num_threads: int = 0
     """Atari: native threads stepping each vector env. 0: for self-play, the cluster's CPUs over its self-play
     actors (the plan's env_threads; one actor gets a thread per CPU), elsewhere one per env up to the CPUs the
@@ -90,6 +94,7 @@ class EnvConfig:
             ("fire_reset", not self.fire_reset or self.is_atari,
              f"false for ids outside the ALE namespace (FIRE is an Atari action; id {self.id!r})"),
             ("num_threads", self.num_threads >= 0, ">= 0 (0 = one per env, up to the CPUs)"),
+            ("search_groups", self.search_groups >= 1, ">= 1 (2 = two halves)"),
         ])
 
     @property

@@ -1,9 +1,9 @@
 """The self-play role: steps a batch of envs, runs one batched search per step, sends segments to replay.
 
-With the inference actor (a GPU host) the envs are split in two halves, each its own vector env. Whole searches
-(GPU search): each half has its search in flight while the other half steps its envs. CPU search
-(`search.device=cpu`): the two halves walk their trees in two threads, so one half's leaves are on the GPU
-while the other half's tree walk runs.
+With the inference actor (a GPU host) the envs are split into groups, each its own vector env. Whole searches
+(GPU search): `env.search_groups` groups (two halves by default), each with its search in flight while the others
+step their envs. CPU search (`search.device=cpu`): two halves walk their trees in two threads, so one half's
+leaves are on the GPU while the other half's tree walk runs.
 
 Each env writes its steps into preallocated per-env arrays. A segment leaves when the episode ends, or when
 `segment_length + unroll_steps + td_steps` steps have piled up: then the first `segment_length` positions
@@ -66,9 +66,11 @@ class SelfPlayWorker:
         # actor only evaluates leaves): the two halves walk their trees in two threads, so one half's leaves are
         # on the GPU while the other's tree walk runs (the compiled tree releases the GIL).
         self.threaded = remote and not evaluator.whole_search and self.num_envs >= 2
-        halves = remote and self.num_envs >= 2
-        sizes = [self.num_envs // 2, self.num_envs - self.num_envs // 2] if halves else [self.num_envs]
-        # One vector env per half; env i of the worker is row i of the buffers (half h holds rows offsets[h]...).
+        groups = (2 if self.threaded else env_cfg.search_groups) if remote else 1
+        groups = min(groups, self.num_envs)
+        sizes = [self.num_envs // groups + (g < self.num_envs % groups) for g in range(groups)]
+        # One vector env per group (`halves`); env i of the worker is row i of the buffers (group h holds rows
+        # offsets[h]...).
         self.halves = []
         offset = 0
         for h, size in enumerate(sizes):
@@ -177,8 +179,8 @@ class SelfPlayWorker:
                              out.root_value.float().cpu().numpy())
 
     def _step_pipelined(self, temperature: float) -> list[Segment]:
-        """Each half in turn: collect its search, step its envs, send its next search. The other half's search
-        is in flight on the inference actor meanwhile; searches stay in flight between calls."""
+        """Each group in turn: collect its search, step its envs, send its next search. The other groups'
+        searches are in flight on the inference actor meanwhile; searches stay in flight between calls."""
         phases, clock = self._phases, time.perf_counter
         for slot, half in enumerate(self.halves):
             if not half.searching:

@@ -10,8 +10,8 @@ and energy per env step (NVML), how full the inference actor's batches were, and
 default rows are the `atari` preset at 50 simulations with its envs per actor and with 16, at 200 simulations,
 and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor),
 each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256,
-cut,lanes2,lanes3,lanes2_128,lanes3_128,vl2,vl4` picks some of them (a device call may not have time for all four);
-envs128, cpu128, cpu256, cut, the lanes and the virtual-loss rows run only when asked for.
+cut,lanes2,lanes3,lanes2_128,lanes3_128,vl2,vl4,vl8,groups3` picks some of them (a device call may not have time
+for all four); envs128, cpu128, cpu256, cut, the lanes, virtual-loss and groups rows run only when asked for.
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
@@ -308,7 +308,8 @@ GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [
             "lanes2": [*_HOST, "inference.search_lanes=2"], "lanes3": [*_HOST, "inference.search_lanes=3"],
             "lanes2_128": [*_HOST, "inference.search_lanes=2", "env.num_envs=128"],
             "lanes3_128": [*_HOST, "inference.search_lanes=3", "env.num_envs=128"],
-            "vl2": [*_HOST, "search.virtual_loss=2"], "vl4": [*_HOST, "search.virtual_loss=4"]}
+            "vl2": [*_HOST, "search.virtual_loss=2"], "vl4": [*_HOST, "search.virtual_loss=4"],
+            "vl8": [*_HOST, "search.virtual_loss=8"], "groups3": [*_HOST, "env.search_groups=3"]}
 """The rows on a GPU host: the preset's envs per actor, then 16 (searches of a quarter the roots) or 128 (twice
 the roots: a whole search's time grows far slower than its roots, so larger searches move more env steps per GPU
 second, if the envs keep up), 200 simulations, and the trees walked on the CPU, with the preset's envs per actor
@@ -317,9 +318,10 @@ per wave may come near twice the env steps; the default rows leave it out) or 25
 left the GPU mostly idle in the fifteenth session), the preset with whole searches cut at a smaller bucket
 where that moves more rows per device second (inference.bucket_cut=true), and the preset with 2 or 3 search lanes
 (whole searches in flight at once on their own streams), with the preset's envs per actor or 128, and the
-preset with virtual loss 2 or 4 (K walks per tree per network call: a K times shorter chain of calls). Every row
-sizes self-play from the host (as many actors as the plan gives): the preset pins one actor, which is what its
-learner needs at its replay ratio, while this bench measures what self-play on the host can do."""
+preset with virtual loss 2, 4 or 8 (K walks per tree per network call: a K times shorter chain of calls), and
+the preset with its envs in three groups rather than two halves (each search has two groups' steps to come back
+in). Every row sizes self-play from the host (as many actors as the plan gives): the preset pins one actor, which
+is what its learner needs at its replay ratio, while this bench measures what self-play on the host can do."""
 
 
 DEFAULT_ROWS = ("preset", "envs16", "sims200", "cpu")
