@@ -53,8 +53,8 @@ class SearchConfig:
     max_nodes: int = 0
     """Cap on nodes per tree (0 = num_simulations + 1); a search needing more raises a clear error."""
     triton: bool = True
-    """CUDA: run the selection walk and the backup as fused Triton kernels (kernels.py) when triton imports and
-    virtual_loss=1; False = the torch path (the `use_triton` argument of `search()` wins when given)."""
+    """CUDA: run the selection walk and the backup as fused Triton kernels (kernels.py) when triton imports (with
+    virtual loss too); False = the torch path (the `use_triton` argument of `search()` wins when given)."""
     device: str = "auto"
     """With a central inference actor on a GPU, where self-play's searches run: 'gpu' (whole searches as
     CUDA-graph replays in the inference actor), 'cpu' (each self-play actor walks its trees on its CPU and sends

@@ -65,7 +65,7 @@ def search(
     invalid_actions: [B, A] bool, True = illegal at the root; None = all legal.
     generator: torch.Generator on the inputs' device, for every random draw; None = torch's default.
     noise: precomputed random inputs (noise.sample_noise); fields left None are drawn with `generator`.
-    use_triton: None = fused Triton kernels if config.triton, on CUDA, Triton imports and K == 1; False = torch;
+    use_triton: None = fused Triton kernels if config.triton, on CUDA and Triton imports; False = torch;
         True = require the kernels (ValueError if they can't be used).
     """
     n = _check_num_simulations(num_simulations)
