@@ -422,17 +422,13 @@ def _expand(
     parent = torch.stack([p.parent for p in paths])  # [K, B]
     action = torch.stack([p.action for p in paths])
     flat = (ctx.rows + parent).flatten()  # k-major: row k * B + b
-    parent_embedding = tree_map(lambda t: t.flatten(0, 1).index_select(0, flat), tree.embeddings)
-    out, next_embedding = recurrent_fn(action.flatten(), parent_embedding)
-    _check_recurrent(out, next_embedding, K * B, A, tree.embeddings)
+    out = _evaluate_leaves(tree, ctx, recurrent_fn, flat, action.flatten(), first, K)
 
-    def bk(x: torch.Tensor) -> torch.Tensor:  # [K * B, ...] -> [B, K, ...]
-        return x.reshape(K, B, *x.shape[1:]).transpose(0, 1)
+    def bk(x: torch.Tensor) -> torch.Tensor:
+        return _by_tree(x, K, B)
 
     nodes = slice(first, first + K)
-    tree_map2(lambda dst, src: dst[:, nodes].copy_(bk(src)), tree.embeddings, next_embedding)
     reward, discount, value = out.reward.float(), out.discount.float(), out.value.float()
-    tree.edges[:, nodes, PRIOR] = bk(torch.softmax(out.prior_logits.float(), dim=-1))
     tree.raw_values[:, nodes] = bk(value)
     tree.rewards[:, nodes] = bk(reward)
     tree.discounts[:, nodes] = bk(discount)
@@ -454,6 +450,25 @@ def _expand(
                 idx = edge[k] + ch * A
                 ctx.edges_1d[idx] = torch.where(dup[k], ctx.edges_1d.index_select(0, idx), x)
     return value.view(K, B)
+
+
+def _by_tree(x: torch.Tensor, K: int, B: int) -> torch.Tensor:
+    """[K * B, ...] walk-major rows (row k * B + b) -> [B, K, ...]."""
+    return x.reshape(K, B, *x.shape[1:]).transpose(0, 1)
+
+
+def _evaluate_leaves(tree: Tree, ctx: _Context, recurrent_fn: RecurrentFn, flat: torch.Tensor,
+                     action: torch.Tensor, first: int, K: int) -> RecurrentOutput:
+    """One network call for K leaf edges per tree (walk-major rows: `flat` [K * B] the parents' indices in the
+    [B * N] node views, `action` [K * B]); writes nodes first..first + K - 1's embeddings and priors, and returns
+    the call's outputs for the rest of the expansion."""
+    parent_embedding = tree_map(lambda t: t.flatten(0, 1).index_select(0, flat), tree.embeddings)
+    out, next_embedding = recurrent_fn(action, parent_embedding)
+    _check_recurrent(out, next_embedding, K * ctx.B, ctx.A, tree.embeddings)
+    nodes = slice(first, first + K)
+    tree_map2(lambda dst, src: dst[:, nodes].copy_(_by_tree(src, K, ctx.B)), tree.embeddings, next_embedding)
+    tree.edges[:, nodes, PRIOR] = _by_tree(torch.softmax(out.prior_logits.float(), dim=-1), K, ctx.B)
+    return out
 
 
 def _simulate_fused(tree: Tree, ctx: _Context, recurrent_fn: RecurrentFn, sim: int) -> None:
@@ -479,17 +494,8 @@ def _wave_fused(tree: Tree, ctx: _Context, recurrent_fn: RecurrentFn, first: int
         kernels.select_claim(tree, ctx, wave, k, first)
     assert tree.virtual_visits is not None
     tree.virtual_visits.zero_()
-    flat = wave.flat_parent[:k_wave].flatten()  # walk-major: row k * B + b
-    parent_embedding = tree_map(lambda t: t.flatten(0, 1).index_select(0, flat), tree.embeddings)
-    out, next_embedding = recurrent_fn(wave.action[:k_wave].flatten(), parent_embedding)
-    _check_recurrent(out, next_embedding, k_wave * B, ctx.A, tree.embeddings)
-
-    def bk(x: torch.Tensor) -> torch.Tensor:  # [K * B, ...] -> [B, K, ...]
-        return x.reshape(k_wave, B, *x.shape[1:]).transpose(0, 1)
-
-    nodes = slice(first, first + k_wave)
-    tree_map2(lambda dst, src: dst[:, nodes].copy_(bk(src)), tree.embeddings, next_embedding)
-    tree.edges[:, nodes, PRIOR] = bk(torch.softmax(out.prior_logits.float(), dim=-1))
+    out = _evaluate_leaves(tree, ctx, recurrent_fn, wave.flat_parent[:k_wave].flatten(),
+                           wave.action[:k_wave].flatten(), first, k_wave)
     value = out.value.float()
     kernels.expand_wave(tree, ctx, wave, first, k_wave, value, out.reward.float(), out.discount.float())
     for k in range(k_wave):
