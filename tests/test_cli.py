@@ -142,7 +142,11 @@ def test_config_prints_the_resolved_config_with_documentation():
     lines = result.stdout.splitlines()
     assert "  num_simulations: 7" in lines and "  num_envs: 3" in lines and "  id: ALE/Pong-v5" in lines
     where = lines.index("  num_envs: 3")
-    assert lines[where - 1] == "  # Environments stepped together by each self-play actor."
+    start = where
+    while lines[start - 1].startswith("  # "):  # the field's docstring, one comment line per line
+        start -= 1
+    assert lines[start].startswith("  # Environments stepped together by each self-play actor. 0: the plan's")
+    assert lines[where - 1].startswith("  # ") and start < where - 1
     assert lines[0].startswith("env:  # ")
 
 

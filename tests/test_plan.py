@@ -201,3 +201,25 @@ def test_self_play_vector_envs_get_the_cpus_over_the_actors():
     assert env.num_threads == 2 and env == dataclasses.replace(host_atari().env, num_threads=2)
     assert "2 threads each" in host.table()
     assert cluster.plan(config_lib.load("cartpole"), {"CPU": 16.0}).env_threads == 0  # no ALE threads to set
+
+
+def test_env_num_envs_0_lets_the_plan_size_each_actors_envs_for_where_the_searches_run():
+    """With whole searches on a GPU an actor's groups step while the others' searches are out, so the plan gives
+    each actor more envs (a group's step then covers a search); elsewhere the config's default. The actors, the
+    schedule and the bench see the plan's count; a pinned count is kept."""
+    gpu_cfg = host_atari(["env.num_envs=0"])
+    gpu = cluster.plan(gpu_cfg, {"CPU": 16.0, "GPU": 1.0})
+    assert gpu.whole_search and gpu.selfplay.envs == 128 and gpu.selfplay.count == 12
+    assert selfplay_env(gpu_cfg, gpu).num_envs == 128
+    assert cluster.sized(gpu_cfg, gpu).env.num_envs == 128
+    assert gpu.env_threads == 2
+    cpu_search = cluster.plan(host_atari(["env.num_envs=0", "search.device=cpu"]), {"CPU": 16.0, "GPU": 1.0})
+    assert not cpu_search.whole_search and cpu_search.selfplay.envs == 16
+    laptop_cfg = config_lib.load("cartpole", ["env.num_envs=0"])
+    laptop = cluster.plan(laptop_cfg, {"CPU": 2.0})
+    assert laptop.selfplay.envs == 16 and cluster.sized(laptop_cfg, laptop).env.num_envs == 16
+    pinned_cfg = host_atari()
+    pinned = cluster.plan(pinned_cfg, {"CPU": 16.0, "GPU": 1.0})
+    assert pinned.selfplay.envs == 64 and cluster.sized(pinned_cfg, pinned) is pinned_cfg
+    with pytest.raises(ConfigError, match="num_envs.*-1.*plan's choice"):
+        config_lib.load("atari", ["env.num_envs=-1"])

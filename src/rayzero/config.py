@@ -41,7 +41,8 @@ class EnvConfig:
     id: str = "CartPole-v1"
     """Any Gymnasium env id; ids of the ALE namespace (e.g. 'ALE/Pong-v5') use ale-py's native vector env."""
     num_envs: int = 16
-    """Environments stepped together by each self-play actor."""
+    """Environments stepped together by each self-play actor. 0: the plan's (cluster/plan.py, `selfplay_envs`):
+    more where whole searches run on a GPU, so that the other groups' steps cover a search's time."""
     frame_skip: int = 4
     """Atari: frames per step (max-pooled over the last 2)."""
     grayscale: bool = False
@@ -82,7 +83,7 @@ class EnvConfig:
     def __post_init__(self) -> None:
         _check("env", self, [
             ("id", bool(self.id), "a Gymnasium env id such as 'CartPole-v1' or 'ALE/Pong-v5'"),
-            ("num_envs", self.num_envs >= 1, ">= 1"),
+            ("num_envs", self.num_envs >= 0, ">= 1, or 0 for the plan's choice"),
             ("frame_skip", self.frame_skip >= 1, ">= 1"),
             ("image_size", self.image_size in (64, 84, 96), "64, 84 or 96"),
             ("frame_stack", self.frame_stack >= 1, ">= 1"),

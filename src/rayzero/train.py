@@ -246,6 +246,7 @@ class Driver:
         resources = ray.cluster_resources()
         log.info("Ray %s, resources %s", how, resources)
         plan = cluster.plan(config, resources)
+        config = self.config = cluster.sized(config, plan)
         (run_dir / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2))
         log.info("resource plan (per actor; also in %s):\n%s", run_dir / "plan.json", plan.table())
         missing = plan.cpu_shortfall(resources.get("CPU", 0.0))

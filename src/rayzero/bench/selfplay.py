@@ -7,9 +7,9 @@ actors stepping the same envs with random actions), their ratio, the decision la
 every env of an actor waits one batched step for its next action), one env alone (p50, p99), GPU utilisation
 and energy per env step (NVML), how full the inference actor's batches were, and the host's CPU busy share
 (/proc/stat) while the actors ran and while the ceiling did (are the cores the bound?). On a GPU host the
-default rows are the `atari` preset at 50 simulations with its envs per actor and with 16, at 200 simulations,
-and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the inference actor),
-each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256,
+default rows are the `atari` preset at 50 simulations with the plan's envs per actor and with 16, at 200
+simulations, and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the
+inference actor), each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256,
 cut,lanes2,lanes3,lanes2_128,lanes3_128,vl2,vl4,vl8,groups3` picks some of them (a device call may not have time
 for all four); envs128, cpu128, cpu256, cut, the lanes, virtual-loss and groups rows run only when asked for.
 
@@ -229,6 +229,7 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     cfg = config_lib.load(preset, overrides)
     spec = env_spec(cfg.env)
     p = cluster.plan(cfg, ray.cluster_resources())
+    cfg = cluster.sized(cfg, p)
     replay = cluster.make_replay(cfg, p)
     inference = cluster.make_inference(cfg, spec, p)
     if inference is not None:
@@ -299,9 +300,9 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     return row
 
 
-_HOST = ["cluster.num_selfplay_actors=0"]
+_HOST = ["cluster.num_selfplay_actors=0", "env.num_envs=0"]
 GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [*_HOST, "env.num_envs=128"],
-            "sims200": [*_HOST, "search.num_simulations=200"], "cpu": [*_HOST, "search.device=cpu"],
+            "sims200": [*_HOST, "search.num_simulations=200"], "cpu": [*_HOST, "search.device=cpu", "env.num_envs=64"],
             "cpu128": [*_HOST, "search.device=cpu", "env.num_envs=128"],
             "cpu256": [*_HOST, "search.device=cpu", "env.num_envs=256"],
             "cut": [*_HOST, "inference.bucket_cut=true"],
@@ -310,18 +311,17 @@ GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [
             "lanes3_128": [*_HOST, "inference.search_lanes=3", "env.num_envs=128"],
             "vl2": [*_HOST, "search.virtual_loss=2"], "vl4": [*_HOST, "search.virtual_loss=4"],
             "vl8": [*_HOST, "search.virtual_loss=8"], "groups3": [*_HOST, "env.search_groups=3"]}
-"""The rows on a GPU host: the preset's envs per actor, then 16 (searches of a quarter the roots) or 128 (twice
-the roots: a whole search's time grows far slower than its roots, so larger searches move more env steps per GPU
-second, if the envs keep up), 200 simulations, and the trees walked on the CPU, with the preset's envs per actor
-and with 128 (a CPU search's simulation waves wait on the round trip to the inference actor, so twice the rows
-per wave may come near twice the env steps; the default rows leave it out) or 256 (the same again, where 128
-left the GPU mostly idle in the fifteenth session), the preset with whole searches cut at a smaller bucket
-where that moves more rows per device second (inference.bucket_cut=true), and the preset with 2 or 3 search lanes
-(whole searches in flight at once on their own streams), with the preset's envs per actor or 128, and the
-preset with virtual loss 2, 4 or 8 (K walks per tree per network call: a K times shorter chain of calls), and
-the preset with its envs in three groups rather than two halves (each search has two groups' steps to come back
-in). Every row sizes self-play from the host (as many actors as the plan gives): the preset pins one actor, which
-is what its learner needs at its replay ratio, while this bench measures what self-play on the host can do."""
+"""The rows on a GPU host: the plan's envs per actor (cluster/plan.py, `selfplay_envs`: 128 where whole searches
+run on the GPU), then 16 (searches of a quarter the roots) or 128, 200 simulations, and the trees walked on the
+CPU with 64 envs per actor (the preset's) and with 128 (a CPU search's simulation waves wait on the round trip to
+the inference actor, so twice the rows per wave may come near twice the env steps; the default rows leave it
+out) or 256 (the same again, where 128 left the GPU mostly idle in the fifteenth session), whole searches cut at
+a smaller bucket where that moves more rows per device second (inference.bucket_cut=true), 2 or 3 search lanes
+(whole searches in flight at once on their own streams), virtual loss 2, 4 or 8 (K walks per tree per network
+call: a K times shorter chain of calls), and the envs in three groups rather than two halves (each search has
+two groups' steps to come back in). Every row sizes self-play from the host (as many actors, and as many envs
+per actor, as the plan gives): the preset pins one actor of 64 envs, which is what its learner needs at its
+replay ratio, while this bench measures what self-play on the host can do."""
 
 
 DEFAULT_ROWS = ("preset", "envs16", "sims200", "cpu")

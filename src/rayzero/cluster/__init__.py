@@ -6,7 +6,8 @@ devices; `build(config, spec)` (build.py) starts the roles with them; `connect(c
 
 from rayzero.cluster.build import (Handles, ReplayShards, build, build_learner_group, connect, make_inference,
                                    make_replay, make_selfplay, selfplay_name)
-from rayzero.cluster.plan import LearnerRanks, Plan, Role, learner_ranks, plan
+from rayzero.cluster.plan import LearnerRanks, Plan, Role, learner_ranks, plan, sized
 
 __all__ = ["Handles", "LearnerRanks", "Plan", "ReplayShards", "Role", "build", "build_learner_group", "connect",
-           "learner_ranks", "make_inference", "make_replay", "make_selfplay", "plan", "selfplay_name"]
+           "learner_ranks", "make_inference", "make_replay", "make_selfplay", "plan", "selfplay_name",
+           "sized"]

@@ -245,8 +245,8 @@ def build_learner_group(config: Config, spec: EnvSpec, p: Plan, checkpoint_root:
 
 
 def selfplay_env(config: Config, p: Plan) -> EnvConfig:
-    """The env section a self-play actor gets: the config's, its vector env's threads from the plan."""
-    return dataclasses.replace(config.env, num_threads=p.env_threads)
+    """The env section a self-play actor gets: the config's, its envs and its vector env's threads from the plan."""
+    return dataclasses.replace(config.env, num_envs=p.selfplay.envs, num_threads=p.env_threads)
 
 
 def make_selfplay(config: Config, p: Plan, replay: ReplayShards, inference: Any, index: int) -> Any:

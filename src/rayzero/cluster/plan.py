@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
-from rayzero.config import Config, ConfigError
+from rayzero.config import Config, ConfigError, EnvConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,8 @@ class Role:
     device: str = "cpu"
     """Where the role's torch work runs: 'cpu' or 'cuda'."""
     envs: int = 0
-    """Envs each actor steps (self-play: env.num_envs; evaluation: run.eval_episodes)."""
+    """Envs each actor steps (self-play: env.num_envs, or the plan's where that is 0; evaluation:
+    run.eval_episodes)."""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Other actor options (max_restarts, max_concurrency)."""
 
@@ -158,6 +159,27 @@ def selfplay_actors(config: Config, cpus: int, central: bool) -> int:
     return max(1, int((cpus - reserved) // max(c.selfplay_cpus, 1.0)))
 
 
+WHOLE_SEARCH_ENVS = 128
+"""Envs per self-play actor when env.num_envs is 0 and whole searches run on a GPU. A group's search must come
+back while the other groups step; with fewer envs an actor waits on it (docs/benchmarks.md, thirty-fifth
+session: 64 against 128 per actor)."""
+CPU_SEARCH_ENVS = EnvConfig.num_envs
+"""Envs per self-play actor when env.num_envs is 0 otherwise: the config's default."""
+
+
+def selfplay_envs(config: Config, whole_search: bool) -> int:
+    """env.num_envs, or with 0 the plan's choice for where the searches run."""
+    return config.env.num_envs or (WHOLE_SEARCH_ENVS if whole_search else CPU_SEARCH_ENVS)
+
+
+def sized(config: Config, p: Plan) -> Config:
+    """`config` with env.num_envs as the plan sized it (the same config when it was pinned): what the schedule
+    and every reader of the env section after the plan should see."""
+    if config.env.num_envs == p.selfplay.envs:
+        return config
+    return dataclasses.replace(config, env=dataclasses.replace(config.env, num_envs=p.selfplay.envs))
+
+
 def plan(config: Config, available: dict[str, float]) -> Plan:
     """Every CPU/GPU request from the config and what the cluster has (`ray.cluster_resources()`)."""
     c = config.cluster
@@ -199,20 +221,21 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
     # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
     num_selfplay = max(selfplay_actors(config, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
-    env_threads = (config.env.num_threads or min(config.env.num_envs,
+    num_envs = selfplay_envs(config, whole_search)
+    env_threads = (config.env.num_threads or min(num_envs,
                                                  max(1, math.ceil(available.get("CPU", 1) / num_selfplay)))
                    if config.env.is_atari else 0)
     latent_slots = 0
     if mode == "central":
         latent_slots = config.inference.latent_pool_size
         if not whole_search:  # each env's tree keeps its root's and every simulation's latent until it is done
-            trees = num_selfplay * config.env.num_envs * (config.search.num_simulations + 1)
+            trees = num_selfplay * num_envs * (config.search.num_simulations + 1)
             latent_slots = max(latent_slots, trees * 5 // 4)
     return Plan(
         # A replay shard that crashes is restarted by Ray and reloads its last snapshot (build._RemoteReplay).
         replay=Role(config.replay.shards or c.num_learners, c.replay_cpus, options={"max_restarts": -1}),
         learner=Role(c.num_learners, c.learner_cpus, learner_gpus, "cuda" if learner_gpus > 0 else "cpu"),
-        selfplay=Role(num_selfplay, c.selfplay_cpus, envs=config.env.num_envs, options={"max_restarts": 0}),
+        selfplay=Role(num_selfplay, c.selfplay_cpus, envs=num_envs, options={"max_restarts": 0}),
         # Two threads: the run's end cancels an evaluation in play (EvalWorker.cancel).
         evaluation=Role(1, c.eval_cpus, envs=config.run.eval_episodes,
                         options={"max_restarts": -1, "max_concurrency": 2}),
