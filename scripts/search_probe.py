@@ -13,6 +13,11 @@ searches the same roots twice more: once with the noise and once without. Per po
 - whether the noisy and the noise-free searches pick the same most-visited action, and the L1 distance between
   their targets: how much of a target the noise decides;
 - the largest |reward| predicted for a root child, and the root value.
+With `--against section.field=value ...` (say `search.virtual_loss=8`) it also searches every probed batch with
+that variant of the search, from the same root noise (the generator replayed), and records how far the variant's
+targets are from the run's, with noise and without (`against_*`: same most-visited action, L1 distance), beside
+how far two of the run's own noisy targets of the same roots are apart (`resample_*`: fresh noise): a search
+change that moves a target less than the noise does is unlikely to change what the learner sees.
 It prints the means (and the 10th / 50th / 90th percentiles of the spreads) and writes them as JSON.
 """
 
@@ -40,10 +45,30 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(1e-12).log()).sum(-1)
 
 
-def probe(network: LocalNetwork, obs: np.ndarray, noisy_cfg, clean_cfg, generator: torch.Generator) -> dict:
-    """[B] measurements of one batch of roots (see the module docstring)."""
+def _compare(a, b, name: str) -> dict:
+    """Same most-visited action and the L1 distance between two searches' targets, [B] each."""
+    return {f"{name}_same_argmax": (a.visit_counts.argmax(-1) == b.visit_counts.argmax(-1)).float(),
+            f"{name}_target_l1": (a.action_weights.float() - b.action_weights.float()).abs().sum(-1)}
+
+
+def probe(network: LocalNetwork, obs: np.ndarray, noisy_cfg, clean_cfg, generator: torch.Generator,
+          against: tuple | None = None) -> dict:
+    """[B] measurements of one batch of roots (see the module docstring); `against`: the variant's (noisy, clean)
+    search configs."""
+    state = generator.get_state()
     noisy = search_observations(network, obs, noisy_cfg, generator)
+    extra = {}
+    if against is not None:
+        after = generator.get_state()
+        generator.set_state(state)  # the variant draws the same root noise
+        variant_noisy = search_observations(network, obs, against[0], generator)
+        generator.set_state(after)
+        variant_clean = search_observations(network, obs, against[1], generator)
+        resample = search_observations(network, obs, noisy_cfg, generator)
+        extra = {**_compare(noisy, variant_noisy, "against_noise"), **_compare(noisy, resample, "resample_noise")}
     clean = search_observations(network, obs, clean_cfg, generator)
+    if against is not None:
+        extra.update(_compare(clean, variant_clean, "against_clean"))
     root = network.root(obs)
     network.release()
     visited = clean.visit_counts > 0
@@ -65,6 +90,7 @@ def probe(network: LocalNetwork, obs: np.ndarray, noisy_cfg, clean_cfg, generato
     }
     child_reward = clean.tree.children_rewards[:, 0].float()  # [B, A] rewards into the root's children
     out["max_child_abs_reward"] = torch.where(visited, child_reward.abs(), 0.0).amax(-1)
+    out.update(extra)
     return {k: v.cpu().numpy() for k, v in out.items()}
 
 
@@ -77,11 +103,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--against", nargs="+", default=None, metavar="SECTION.FIELD=VALUE",
+                        help="a variant of the search to compare every probed batch with (e.g. search.virtual_loss=8)")
     parser.add_argument("overrides", nargs="*", help="section.field=value over the run's config")
     args = parser.parse_args()
-    checkpoint = ckpt.latest(args.checkpoint)
+    checkpoint = ckpt.latest(args.checkpoint, files=(ckpt.MODEL,))  # the weights are all it searches with
     config_path = next(p / "config.yaml" for p in (checkpoint, *checkpoint.parents) if (p / "config.yaml").exists())
     cfg = config_lib.load(str(config_path), list(args.overrides))
+    variant = config_lib.load(str(config_path), [*args.overrides, *args.against]).search if args.against else None
     env = make_vector_env(cfg.env, args.envs, args.seed, training=True)
     spec = env.spec
     model = build_model(cfg.model, spec.observation_shape, spec.num_actions).to(args.device)
@@ -90,6 +119,9 @@ def main() -> None:
     temperature = cfg.run.temperature_schedule[-1][1] if cfg.run.temperature_schedule else cfg.search.temperature
     noisy_cfg = dataclasses.replace(cfg.search, temperature=temperature)
     clean_cfg = dataclasses.replace(cfg.search, temperature=0.0, dirichlet_fraction=0.0, gumbel_scale=0.0)
+    against = None if variant is None else (
+        dataclasses.replace(variant, temperature=temperature),
+        dataclasses.replace(variant, temperature=0.0, dirichlet_fraction=0.0, gumbel_scale=0.0))
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     rows: dict[str, list[np.ndarray]] = {}
     start = time.time()
@@ -97,7 +129,7 @@ def main() -> None:
     try:
         for step in range(args.steps):
             if step % args.every == 0:
-                for key, value in probe(network, obs, noisy_cfg, clean_cfg, generator).items():
+                for key, value in probe(network, obs, noisy_cfg, clean_cfg, generator, against).items():
                     rows.setdefault(key, []).append(value)
             action = search_observations(network, obs, noisy_cfg, generator).action.cpu().numpy()
             obs = env.step(action).obs
@@ -114,6 +146,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"checkpoint": str(checkpoint), "positions": positions, "summary": summary,
+                       "overrides": list(args.overrides), "against": args.against,
                        "machine": platform.node(), "torch": torch.__version__,
                        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, f, indent=1)
 

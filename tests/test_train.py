@@ -110,6 +110,13 @@ def test_atari_smoke_train_then_eval(tmp_path):
     assert report["positions"] == 4
     assert report["summary"]["same_argmax"] == 1.0 and report["summary"]["target_l1"] == 0.0
     assert 0.0 <= report["summary"]["spread_share"] <= 1.0
+    # With root noise and --against the run's own search, the variant replays the same noise: the same targets.
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "scripts", "search_probe.py"),
+                    "--checkpoint", str(run_dir), "--envs", "2", "--steps", "4", "--every", "2", "--json", str(probe),
+                    "--against", "search.virtual_loss=1"], check=True, capture_output=True, text=True, timeout=300)
+    summary = json.loads(probe.read_text())["summary"]
+    assert summary["against_noise_same_argmax"] == 1.0 and summary["against_noise_target_l1"] == 0.0
+    assert summary["against_clean_target_l1"] == 0.0 and 0.0 <= summary["resample_noise_target_l1"] <= 2.0
 
 
 def test_a_time_limited_run_ends_by_its_limit_with_its_final_evaluation(tmp_path):
