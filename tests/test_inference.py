@@ -646,16 +646,19 @@ def test_greedy_searches_join_self_plays_batch_and_still_search_greedily(merge):
     assert (played["visit_counts"].sum(1) == 12).all() and played["action"].shape == (5,)
 
 
-def test_the_evaluation_network_searches_with_the_evaluations_simulations():
-    """run.eval_simulations with inference.pinned_eval: an evaluation's greedy searches (a request that names no
-    simulations, as the channel's) run the evaluation network with the evaluation's simulations, and give what
-    a local greedy search of those simulations gives; another client's greedy search keeps the run's."""
+@pytest.mark.parametrize("virtual_loss, eval_virtual_loss", [(1, 0), (4, 1), (4, 0)])
+def test_the_evaluation_network_searches_with_the_evaluations_simulations(virtual_loss, eval_virtual_loss):
+    """run.eval_simulations and run.eval_virtual_loss with inference.pinned_eval: an evaluation's greedy searches
+    (a request that names neither, as the channel's) run the evaluation network with the evaluation's simulations
+    and K (0: self-play's), and give what a local greedy search of those gives; another client's greedy search
+    keeps the run's."""
     from rayzero.actors.network import LocalNetwork
     from rayzero.tree import SearchConfig, search
 
-    search_cfg = SearchConfig(num_simulations=12, cpu_backend="torch")
+    search_cfg = SearchConfig(num_simulations=12, cpu_backend="torch", virtual_loss=virtual_loss)
     srv = InferenceServer(MODEL, InferenceConfig(device="cpu", max_batch=16, min_bucket=4, pinned_eval=True),
-                          (4,), 3, search_cfg=search_cfg, discount=0.99, eval_rows=4, eval_simulations=5)
+                          (4,), 3, search_cfg=search_cfg, discount=0.99, eval_rows=4, eval_simulations=5,
+                          eval_virtual_loss=eval_virtual_loss)
     _randomize(srv.model)
     state = {k: v.clone() for k, v in srv.model.state_dict().items()}
     obs = np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32)
@@ -668,9 +671,13 @@ def test_the_evaluation_network_searches_with_the_evaluations_simulations():
     evaluated, other = asyncio.run(go())
     assert (evaluated["visit_counts"].sum(1) == 5).all() and (other["visit_counts"].sum(1) == 12).all()
     evaluator = LocalNetwork(srv.model, 0.99)
-    ref = search(evaluator.root(obs), evaluator.recurrent_fn, 5,
-                 dataclasses.replace(search_cfg, num_simulations=5, **greedy))
+    eval_cfg = dataclasses.replace(search_cfg, num_simulations=5, virtual_loss=eval_virtual_loss or virtual_loss)
+    ref = search(evaluator.root(obs), evaluator.recurrent_fn, 5, dataclasses.replace(eval_cfg, **greedy))
     np.testing.assert_array_equal(evaluated["visit_counts"], ref.visit_counts.numpy())
+    if virtual_loss != (eval_virtual_loss or virtual_loss):  # the K tells: the other's searches differ here
+        other_k = search(evaluator.root(obs), evaluator.recurrent_fn, 5,
+                         dataclasses.replace(search_cfg, num_simulations=5, **greedy))
+        assert not np.array_equal(evaluated["visit_counts"], other_k.visit_counts.numpy())
     with pytest.raises(InferenceError, match="only searches greedily"):
         asyncio.run(srv.search("eval-1", obs, temperature=1.0))
 

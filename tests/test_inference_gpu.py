@@ -442,22 +442,25 @@ def test_a_pinned_evaluation_searches_its_weights_on_graphs_captured_at_start():
     assert pinned.stats()["errors"] == 0
 
 
-def test_the_evaluations_own_simulations_run_on_the_evaluation_networks_graphs_captured_at_start():
-    """run.eval_simulations on CUDA (inference.pinned_eval): an evaluation's greedy searches take the evaluation's
-    simulations on graphs captured with the actor (none later), and answer as an actor whose searches take those
-    simulations; self-play's greedy searches keep the run's simulations."""
-    config = SearchConfig(num_simulations=12)
+@pytest.mark.parametrize("virtual_loss, eval_virtual_loss", [(1, 0), (8, 1)])
+def test_the_evaluations_own_simulations_run_on_the_evaluation_networks_graphs_captured_at_start(
+        virtual_loss, eval_virtual_loss):
+    """run.eval_simulations (and run.eval_virtual_loss) on CUDA (inference.pinned_eval): an evaluation's greedy
+    searches take the evaluation's simulations and K on graphs captured with the actor (none later), and answer as
+    an actor whose searches take those; self-play's greedy searches keep the run's."""
+    config = SearchConfig(num_simulations=12, virtual_loss=virtual_loss)
     cfg = InferenceConfig(device="cuda", max_batch=128, min_bucket=8, max_wait_us=2000, search_max_batch=32,
                           latent_pool_size=4096, bf16=True, merge_searches=True, pinned_eval=True)  # the preset's
     srv = InferenceServer(SMALL, cfg, OBS, A, seed=0, search_cfg=config, discount=0.99, eval_rows=10,
-                          eval_simulations=5)
+                          eval_simulations=5, eval_virtual_loss=eval_virtual_loss)
     _randomize(srv.model, seed=3)
     weights = {k: v.cpu().clone() for k, v in srv.model.state_dict().items()}
     graphs = srv.stats()["search_graphs"] + len(srv.eval_runner.searches)
     obs = _obs(10, seed=6)
     greedy = {"temperature": 0.0, "dirichlet_fraction": 0.0, "gumbel_scale": 0.0}
 
-    reference = _server(bf16=True, search_cfg=SearchConfig(num_simulations=5))
+    reference = _server(bf16=True, search_cfg=SearchConfig(num_simulations=5,
+                                                           virtual_loss=eval_virtual_loss or virtual_loss))
     reference.model.load_state_dict(srv.model.state_dict())
 
     async def go():

@@ -66,7 +66,7 @@ def test_evaluations_with_their_own_simulations_need_the_evaluation_network_wher
     GPU host the evaluation network's graphs (inference.pinned_eval) must hold them; on a CPU host the
     evaluation searches locally, as run.eval_simulations says. 0, or the run's own, asks for nothing more."""
     gpu_host = {"CPU": 16.0, "GPU": 1.0}
-    with pytest.raises(ConfigError, match=r"run.eval_simulations=16 .*needs inference.pinned_eval=true"):
+    with pytest.raises(ConfigError, match=r"run.eval_simulations=16 .*need inference.pinned_eval=true"):
         cluster.plan(config_lib.load("atari", ["run.eval_simulations=16", "inference.pinned_eval=false"]), gpu_host)
     for overrides in (["run.eval_simulations=16", "inference.pinned_eval=true"],
                       ["run.eval_simulations=0", "inference.pinned_eval=false"],
@@ -80,6 +80,21 @@ def test_evaluations_with_their_own_simulations_need_the_evaluation_network_wher
     assert plain.eval_search == plain.search
     with pytest.raises(ConfigError, match=r"run.eval_simulations=-1 is invalid: must be >= 0"):
         config_lib.load("cartpole", ["run.eval_simulations=-1"])
+
+
+def test_evaluations_with_their_own_virtual_loss_need_the_evaluation_network_where_searches_run_on_the_gpu():
+    """run.eval_virtual_loss: the evaluations' K (0 = self-play's); like run.eval_simulations, a K of their own
+    on a GPU host needs the evaluation network's graphs."""
+    gpu_host = {"CPU": 16.0, "GPU": 1.0}
+    own = ["search.virtual_loss=8", "run.eval_virtual_loss=1"]
+    with pytest.raises(ConfigError, match=r"run.eval_virtual_loss=1 \(search.virtual_loss=8\) need inference.pinned_eval"):
+        cluster.plan(config_lib.load("atari", [*own, "inference.pinned_eval=false", "run.eval_simulations=0"]), gpu_host)
+    cfg = config_lib.load("atari", [*own, "inference.pinned_eval=true"])
+    assert cluster.plan(cfg, gpu_host).whole_search
+    assert cfg.eval_search.virtual_loss == 1 and cfg.search.virtual_loss == 8
+    assert config_lib.load("atari", ["search.virtual_loss=8"]).eval_search.virtual_loss == 8
+    with pytest.raises(ConfigError, match=r"run.eval_virtual_loss=-1 is invalid: must be >= 0"):
+        config_lib.load("cartpole", ["run.eval_virtual_loss=-1"])
 
 
 def test_central_inference_on_the_cpu_does_not_send_whole_searches():

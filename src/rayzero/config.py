@@ -631,6 +631,10 @@ class RunConfig:
     bound by its simulations one after another, so fewer make evaluations shorter and leave the GPU to the
     learner. Where searches run whole on a GPU, a number other than search.num_simulations needs
     inference.pinned_eval (the evaluation network's graphs, captured at start)."""
+    eval_virtual_loss: int = 0
+    """Virtual loss K of an evaluation's greedy searches (0 = search.virtual_loss). A short evaluation search at
+    self-play's K is a few waves of K walks each: 1 keeps it one walk per network call. Where searches run whole on
+    a GPU, a K other than search.virtual_loss needs inference.pinned_eval, as run.eval_simulations does."""
     final_eval_seconds: float = 0.0
     """Wall-clock budget of the final evaluation (0 = none), so that a run ends by its time_limit however long its
     agent's games have grown: with a time limit, training stops up to this long before it (at most a quarter of
@@ -676,6 +680,7 @@ class RunConfig:
             ("eval_episodes", self.eval_episodes >= 1, ">= 1"),
             ("eval_max_steps", self.eval_max_steps >= 1, ">= 1"),
             ("eval_simulations", self.eval_simulations >= 0, ">= 0 (0 = search.num_simulations)"),
+            ("eval_virtual_loss", self.eval_virtual_loss >= 0, ">= 0 (0 = search.virtual_loss)"),
             ("final_eval_max_steps", self.final_eval_max_steps >= 0, ">= 0 (0 = eval_max_steps)"),
             ("final_eval_seconds", self.final_eval_seconds >= 0, ">= 0 (0 = no budget)"),
             ("log_interval", self.log_interval > 0, "> 0"),
@@ -697,9 +702,10 @@ class Config:
 
     @property
     def eval_search(self) -> SearchConfig:
-        """The search section as evaluations search (run.eval_simulations); greedy settings are applied where
-        they play."""
-        return dataclasses.replace(self.search, num_simulations=self.run.eval_simulations or self.search.num_simulations)
+        """The search section as evaluations search (run.eval_simulations, run.eval_virtual_loss); greedy settings
+        are applied where they play."""
+        return dataclasses.replace(self.search, num_simulations=self.run.eval_simulations or self.search.num_simulations,
+                                   virtual_loss=self.run.eval_virtual_loss or self.search.virtual_loss)
 
     def __post_init__(self) -> None:
         """Rules between sections (each section checks its own fields)."""

@@ -214,10 +214,12 @@ def plan(config: Config, available: dict[str, float]) -> Plan:
                    "own here")
     whole_search = mode == "central" and inference_device == "cuda" and config.search.device != "cpu"
     if whole_search and config.eval_search != config.search and not config.inference.pinned_eval:
-        # An evaluation's request names no simulations (channel.py); the evaluation network's graphs hold them.
+        # An evaluation's request names no simulations or K (channel.py); the evaluation network's graphs hold them.
         raise ConfigError(f"run.eval_simulations={config.run.eval_simulations} (search.num_simulations="
-                          f"{config.search.num_simulations}) needs inference.pinned_eval=true here, where searches "
-                          f"run whole on the GPU; or set run.eval_simulations=0")
+                          f"{config.search.num_simulations}) and run.eval_virtual_loss={config.run.eval_virtual_loss} "
+                          f"(search.virtual_loss={config.search.virtual_loss}) need inference.pinned_eval=true here, "
+                          f"where searches run whole on the GPU; or set run.eval_simulations=0 and "
+                          f"run.eval_virtual_loss=0")
     # The driver replaces lost self-play actors itself (elastic pool), so Ray does not restart them. Actors
     # beyond what fits now stay pending: that is the demand an autoscaler acts on.
     num_selfplay = max(selfplay_actors(config, int(available.get("CPU", 1)), mode == "central"), c.max_selfplay_actors)
