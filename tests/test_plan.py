@@ -71,6 +71,8 @@ def test_evaluations_with_their_own_simulations_need_the_evaluation_network_wher
     for overrides in (["run.eval_simulations=16", "inference.pinned_eval=true"],
                       ["run.eval_simulations=0", "inference.pinned_eval=false"],
                       ["run.eval_simulations=50", "search.num_simulations=50", "inference.pinned_eval=false"]):
+        # The preset's evaluations keep a K of their own as well (run.eval_virtual_loss); here they take self-play's.
+        overrides = overrides + ["run.eval_virtual_loss=0"]
         assert cluster.plan(config_lib.load("atari", overrides), gpu_host).whole_search
     laptop = config_lib.load("cartpole", ["run.eval_simulations=4"])
     assert not cluster.plan(laptop, {"CPU": 2.0}).whole_search
@@ -92,7 +94,9 @@ def test_evaluations_with_their_own_virtual_loss_need_the_evaluation_network_whe
     cfg = config_lib.load("atari", [*own, "inference.pinned_eval=true"])
     assert cluster.plan(cfg, gpu_host).whole_search
     assert cfg.eval_search.virtual_loss == 1 and cfg.search.virtual_loss == 8
-    assert config_lib.load("atari", ["search.virtual_loss=8"]).eval_search.virtual_loss == 8
+    assert config_lib.load("atari", ["run.eval_virtual_loss=0"]).eval_search.virtual_loss == 8
+    preset = config_lib.load("atari")  # self-play at K = 8, evaluations at K = 1, through the evaluation network
+    assert (preset.search.virtual_loss, preset.eval_search.virtual_loss, preset.inference.pinned_eval) == (8, 1, True)
     with pytest.raises(ConfigError, match=r"run.eval_virtual_loss=-1 is invalid: must be >= 0"):
         config_lib.load("cartpole", ["run.eval_virtual_loss=-1"])
 
