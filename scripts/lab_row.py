@@ -5,7 +5,7 @@
 Prints: when the first update landed, updates and env steps by each time, the self-play return (and the share of
 its rewards above 0 over the minute before: Pong's points won) and the greedy evaluations, the first learner rows' gradient norm and consistency loss, the learner's rate over the last 200 s
 (and the share of it spent inside its calls), the diagnostics averaged over the last 5 learner rows, and the mean
-GPU utilisation from an `nvidia-smi dmon -s u` log.
+GPU utilisation from an `nvidia-smi dmon -s u -d 5` log (the run's mean, and over its last 200 s).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 
+DMON_INTERVAL_S = 5  # the scripts' `nvidia-smi dmon -d 5`
 DIAGNOSTICS = ("policy_loss", "value_loss", "reward_loss", "consistency_loss", "value_error", "reward_error",
                "target_entropy", "policy_kl", "grad_norm", "sample_age_seconds", "sample_is_weight_ess",
                "selfplay_version_lag", "learner_steps_per_second", "env_steps_per_second")
@@ -99,7 +100,9 @@ def main() -> None:
         sm = [int(line.split()[1]) for line in open(args.dmon)
               if line.strip() and not line.startswith("#") and line.split()[1].isdigit()]
         if sm:
-            print(f"  GPU util mean {sum(sm) / len(sm):.0f} % over {len(sm)} samples")
+            last = sm[-max(1, round(200 / DMON_INTERVAL_S)):]  # the window of the learner's rate above
+            print(f"  GPU util mean {sum(sm) / len(sm):.0f} % over {len(sm)} samples, {sum(last) / len(last):.0f} % "
+                  f"over the last {len(last)} ({len(last) * DMON_INTERVAL_S:.0f} s)")
 
 
 if __name__ == "__main__":
