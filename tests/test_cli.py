@@ -115,6 +115,9 @@ def test_selfplay_benchmark_quick_writes_its_json(tmp_path):
     assert served["one_env_latency"]["steps"] >= 20 and served["batches"]["rows_per_batch"] > 0
     # the host's CPUs were busy while actors (and then the ceiling's envs) stepped: a share, where /proc/stat is
     assert 0 < served["host_cpu_busy"] <= 1 and 0 < served["ceiling_host_cpu_busy"] <= 1
+    # and which processes kept them busy: the self-play actor stepped its envs, the ceiling's tasks theirs
+    assert served["cpu_by_role"]["_RemoteSelfPlay"]["cores"] > 0
+    assert served["ceiling_cpu_by_role"]["step_randomly"]["cores"] > 0
 
 
 def test_host_cpu_busy_share_from_two_proc_stat_readings():
@@ -127,6 +130,46 @@ def test_host_cpu_busy_share_from_two_proc_stat_readings():
     assert _cpu_busy(before, after) == 0.5  # 400 busy of 800 jiffies
     assert _cpu_busy(None, after) is None and _cpu_busy(after, before) is None
     assert _cpu_times("intr 1 2 3") is None
+
+
+def test_cores_by_role_from_two_readings_of_proc(tmp_path):
+    """The served row's `cpu_by_role`: CPU seconds per process between two readings of /proc, grouped by the Ray
+    actor class in a worker's title (whatever method it runs), else by the process's name."""
+    import os
+
+    from rayzero.bench.selfplay import _cpu_by_role, _process_cpu, _roles_line
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def write(pid: int, comm: str, title: str, utime: float, stime: float) -> None:
+        folder = tmp_path / str(pid)
+        folder.mkdir(exist_ok=True)
+        (folder / "stat").write_text(f"{pid} ({comm}) S 1 1 1 0 -1 4194560 10 0 0 0 {round(utime * tick)} "
+                                     f"{round(stime * tick)} 0 0 20 0 9 0 100 0 0\n")
+        (folder / "cmdline").write_bytes(title.encode() + b"\0--flag\0")
+
+    write(11, "ray::_RemoteSel", "ray::_RemoteSelfPlay", 1, 0)
+    write(12, "ray::_RemoteSel", "ray::_RemoteSelfPlay.collect", 2, 1)
+    write(13, "raylet", "/site/ray/core/src/ray/raylet/raylet", 1, 0)
+    write(14, "kworker/0:1", "", 0, 1)  # a kernel thread: no command line
+    (tmp_path / "self").mkdir()  # not a process
+    before = _process_cpu(str(tmp_path))
+    assert before == {11: ("_RemoteSelfPlay", 1.0), 12: ("_RemoteSelfPlay", 3.0), 13: ("raylet", 1.0),
+                      14: ("kworker/0:1", 1.0)}
+    # 2 s later: the actors took 1.5 and 1 CPU seconds more (one busy in another method now), an inference
+    # actor started and took 0.5, the raylet and the kernel thread took nothing.
+    write(11, "ray::_RemoteSel", "ray::_RemoteSelfPlay.collect", 2.5, 0)
+    write(12, "ray::_RemoteSel", "ray::_RemoteSelfPlay", 3, 1)
+    write(15, "ray::Inference", "ray::InferenceServer.search", 0.25, 0.25)
+    roles = _cpu_by_role(before, _process_cpu(str(tmp_path)), 2.0)
+    assert roles == {"_RemoteSelfPlay": {"cores": 1.25, "processes": 2},
+                     "InferenceServer": {"cores": 0.25, "processes": 1}}
+    assert list(roles) == ["_RemoteSelfPlay", "InferenceServer"]  # busiest first
+    assert _roles_line(roles) == "_RemoteSelfPlay 1.2 (2 processes), InferenceServer 0.2"
+    # a Ray task's worker is titled "ray::IDLE" once its task is done: the caller names it
+    named = _cpu_by_role(before, _process_cpu(str(tmp_path)), 2.0, {12: "step_randomly"})
+    assert named["step_randomly"] == {"cores": 0.5, "processes": 1} and named["_RemoteSelfPlay"]["cores"] == 0.75
+    assert _process_cpu(str(tmp_path / "no-proc")) is None and _cpu_by_role(None, before, 2.0) is None
 
 
 @pytest.mark.parametrize("leftover", ["config.yaml", "metrics.jsonl", "checkpoints"])

@@ -6,7 +6,8 @@ reports env steps/s and frames/s in the steady state, the env-only ceiling measu
 actors stepping the same envs with random actions), their ratio, the decision latency per step (p50, p99;
 every env of an actor waits one batched step for its next action), one env alone (p50, p99), GPU utilisation
 and energy per env step (NVML), how full the inference actor's batches were, and the host's CPU busy share
-(/proc/stat) while the actors ran and while the ceiling did (are the cores the bound?). On a GPU host the
+(/proc/stat) while the actors ran and while the ceiling did (are the cores the bound?), with the cores each role
+kept busy (/proc/PID/stat: which processes took them). On a GPU host the
 default rows are the `atari` preset at 50 simulations with the plan's envs per actor and with 16, at 200
 simulations, and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the
 inference actor), each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256,
@@ -22,6 +23,7 @@ bare vector env.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -162,12 +164,66 @@ def _cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> 
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> float:
+def _process_cpu(proc: str = "/proc") -> dict[int, tuple[str, float]] | None:
+    """Every process's (role, CPU seconds so far, its threads' user and system time) from `proc`. The role is a
+    Ray worker's actor class or task from its title ("ray::_RemoteSelfPlay.collect" -> "_RemoteSelfPlay"), else
+    the process's name (raylet, gcs_server, python3). None where there is no `proc`."""
+    try:
+        pids = [name for name in os.listdir(proc) if name.isdigit()]
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for pid in pids:
+        try:
+            with open(os.path.join(proc, pid, "stat")) as f:
+                stat = f.read()
+            with open(os.path.join(proc, pid, "cmdline"), "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if title.startswith("ray::"):
+            name = title[5:].split()[0].split(".")[0] if title[5:].strip() else name
+        out[int(pid)] = name, (int(rest[11]) + int(rest[12])) / tick  # utime, stime: fields 14 and 15
+    return out
+
+
+def _cpu_by_role(before: dict[int, tuple[str, float]] | None, after: dict[int, tuple[str, float]] | None,
+                 seconds: float, names: dict[int, str] | None = None) -> dict[str, dict[str, float]] | None:
+    """Cores each role kept busy between two `_process_cpu` readings (CPU seconds over `seconds`), and how many
+    of its processes ran, busiest role first; a process that started meanwhile counts from zero. `names`: roles
+    of given processes (a Ray task's worker is titled "ray::IDLE" again once its task is done)."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    roles: dict[str, dict[str, float]] = {}
+    for pid, (name, cpu) in after.items():
+        used = cpu - (before[pid][1] if pid in before else 0.0)
+        if used <= 0:
+            continue
+        name = (names or {}).get(pid, name)
+        role = roles.setdefault(name, {"cores": 0.0, "processes": 0})
+        role["cores"] += used / seconds
+        role["processes"] += 1
+    return dict(sorted(roles.items(), key=lambda item: -item[1]["cores"]))
+
+
+def _roles_line(roles: dict[str, dict[str, float]] | None, top: int = 6) -> str:
+    if not roles:
+        return "n/a"
+    parts = [f"{name} {r['cores']:.1f}" + (f" ({int(r['processes'])} processes)" if r["processes"] > 1 else "")
+             for name, r in list(roles.items())[:top]]
+    rest = sum(r["cores"] for _, r in list(roles.items())[top:])
+    return ", ".join(parts) + (f", the rest {rest:.1f}" if rest >= 0.05 else "")
+
+
+def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> tuple[float, list[int]]:
     """Env steps/s of `num_actors` Ray tasks, each stepping env_cfg.num_envs envs with random actions, as one
     vector env with env_cfg's threads (with env.num_threads=0 one per CPU: envs alone step fastest so, faster than
     on the plan's fewer threads per actor, so the ceiling is not lowered by the actors' setting). Every task
     builds its envs and then waits for the others, so that none is timed while another's worker process still
-    starts and imports (Ray starts them for a run's first tasks)."""
+    starts and imports (Ray starts them for a run's first tasks). Returns the env steps/s and the tasks'
+    processes."""
     import asyncio
 
     import ray
@@ -184,7 +240,7 @@ def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> 
             await self.all_here.wait()
 
     @ray.remote
-    def step_randomly(seed: int, barrier: Any) -> tuple[int, float]:
+    def step_randomly(seed: int, barrier: Any) -> tuple[int, float, int]:
         env = make_vector_env(env_cfg, env_cfg.num_envs, seed, training=True)
         rng = np.random.default_rng(seed)
         env.reset(seed=seed)
@@ -194,14 +250,15 @@ def _env_ceiling(env_cfg: Any, num_actors: int, cpus: float, seconds: float) -> 
             env.step(rng.integers(0, env.spec.num_actions, size=env_cfg.num_envs))
             steps += env_cfg.num_envs
         env.close()
-        return steps, time.perf_counter() - start
+        return steps, time.perf_counter() - start, os.getpid()
 
     barrier = Barrier.remote(num_actors)
     try:
         results = ray.get([step_randomly.options(num_cpus=cpus).remote(i, barrier) for i in range(num_actors)])
     finally:
         ray.kill(barrier)
-    return sum(steps for steps, _ in results) / max(seconds for _, seconds in results)
+    rate = sum(steps for steps, _, _ in results) / max(seconds for _, seconds, _ in results)
+    return rate, [pid for _, _, pid in results]
 
 
 def _batch_fill(stats: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
@@ -243,9 +300,9 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         gpu = GpuMonitor()
         energy0 = gpu.energy_j()
         gpu.start()
-        t0, cpu0 = time.monotonic(), _cpu_times()
+        t0, cpu0, procs0 = time.monotonic(), _cpu_times(), _process_cpu()
         run = _run_actors(actors, seconds, steps_per_call)
-        t1, cpu1 = time.monotonic(), _cpu_times()
+        t1, cpu1, procs1 = time.monotonic(), _cpu_times(), _process_cpu()
         energy = gpu.energy_j()
         samples = gpu.stop()
         after = ray.get(inference.stats.remote()) if inference is not None else None
@@ -260,9 +317,11 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         single = ray.get(alone.collect.remote(max(20, int(10 * seconds)), 1.0, None))
     finally:
         ray.kill(alone)
-    ceiling_cpu0 = _cpu_times()
-    ceiling = _env_ceiling(cfg.env, p.selfplay.count, p.selfplay.cpus, seconds)
+    ceiling_cpu0, ceiling_procs0, ceiling_t0 = _cpu_times(), _process_cpu(), time.monotonic()
+    ceiling, ceiling_pids = _env_ceiling(cfg.env, p.selfplay.count, p.selfplay.cpus, seconds)
     ceiling_cpu = _cpu_busy(ceiling_cpu0, _cpu_times())
+    ceiling_roles = _cpu_by_role(ceiling_procs0, _process_cpu(), time.monotonic() - ceiling_t0,
+                                 {pid: "step_randomly" for pid in ceiling_pids})
     rate = run["env_steps"] / run["seconds"]
     row = {
         "preset": preset, "overrides": overrides, "env_id": cfg.env.id, "simulations": cfg.search.num_simulations,
@@ -275,6 +334,8 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         "gpu": GpuMonitor.summarize(samples, t0, t1),
         # whether the host's cores are the bound: all CPUs' busy share while the actors ran, and while the ceiling did
         "host_cpu_busy": _cpu_busy(cpu0, cpu1), "ceiling_host_cpu_busy": ceiling_cpu,
+        # where those cores went: cores busy per role (Ray actor class or task, or process name), from /proc
+        "cpu_by_role": _cpu_by_role(procs0, procs1, t1 - t0), "ceiling_cpu_by_role": ceiling_roles,
         "energy_j_per_env_step": (energy - energy0) / run["env_steps"] if energy is not None and energy0 is not None
         else None,
         "seconds": run["seconds"],
@@ -291,6 +352,7 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     if len(row.get("lane_batches", [])) > 1:
         print(f"  whole-search batches per lane {row['lane_batches']}  rows per batch "
               f"{row['batches']['rows_per_batch']:.0f} (padding {row['batches']['padding_fraction']:.0%})", flush=True)
+    print(f"  cores busy  {_roles_line(row['cpu_by_role'])}  (ceiling: {_roles_line(ceiling_roles, 3)})", flush=True)
     for name in ("actor_time", "one_env_time"):
         t = row[name]
         print(f"  {name:12s} " + "  ".join(f"{phase} {t.get(phase + '_share', 0):4.0%} "
