@@ -354,6 +354,32 @@ def test_atari_seeding_is_reproducible() -> None:
     assert not np.array_equal(fa, fc)
 
 
+@pytest.mark.parametrize("env_id", ["ALE/Breakout-v5", "CartPole-v1"])
+def test_a_kept_vector_env_reset_with_a_seed_plays_the_games_of_a_new_one(env_id: str) -> None:
+    """What the evaluation actor relies on when it keeps its envs from one evaluation to the next: reset(seed)
+    after other games (left mid-game) gives the frames and rewards of new envs reset with that seed, sticky
+    actions and no-op starts included."""
+    cfg = EnvConfig(id=env_id, grayscale=True, image_size=84) if env_id.startswith("ALE/") else EnvConfig(id=env_id)
+
+    def play(env: envs.BatchedEnv, seed: int, steps: int = 60) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(0)
+        frames, rewards = [env.reset(seed=seed)], []
+        for _ in range(steps):
+            res = env.step(_random_actions(rng, env))
+            frames.append(res.obs)
+            rewards.append(res.reward)
+        return np.stack(frames), np.stack(rewards)
+
+    with envs.make_vector_env(cfg, 3, seed=5, training=False) as new:
+        expected = play(new, 5)
+    with envs.make_vector_env(cfg, 3, seed=9, training=False) as kept:
+        other = play(kept, 9, steps=37)
+        again = play(kept, 5)
+    np.testing.assert_array_equal(again[0], expected[0])
+    np.testing.assert_array_equal(again[1], expected[1])
+    assert not np.array_equal(other[0], expected[0][:38])  # the other games were other games
+
+
 def test_env_spec_is_cached_and_matches_vector_env() -> None:
     for cfg in (EnvConfig(id="CartPole-v1"), EnvConfig(id="ALE/Breakout-v5", full_action_space=True)):
         spec = envs.env_spec(cfg)

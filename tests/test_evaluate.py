@@ -145,6 +145,33 @@ def test_an_evaluation_with_a_time_budget_ends_its_episodes_where_they_are_and_c
     assert capped["returns"] == [-50.0, -50.0] and capped["unfinished"] == 2 and capped["lengths"] == [50, 50]
 
 
+def test_the_evaluation_actor_keeps_its_envs_and_plays_the_games_of_new_ones():
+    """Evaluations of as many games reuse the worker's envs (making Atari envs costs more than a short
+    evaluation's steps); each resets them with its seed, so it plays what a new worker plays, also after an
+    evaluation cut mid-game. Another count of games makes new envs."""
+    env_cfg = EnvConfig(id="CartPole-v1")
+    model_cfg = ModelConfig(kind="mlp", latent_dim=16, hidden=32, support_size=5)
+    args = (env_cfg, model_cfg, SearchConfig(num_simulations=4), 0.99)
+    spec = env_spec(env_cfg)
+    model = build_model(model_cfg, spec.observation_shape, spec.num_actions)
+    generator = torch.Generator().manual_seed(4)  # heads that balance for 41-92 steps, by the seed's games
+    with torch.no_grad():  # random heads: the greedy actions, so the games' lengths, depend on the observations
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    weights = (1, {k: v.clone() for k, v in model.state_dict().items()})
+    worker = EvalWorker(*args)
+    first = worker.evaluate(weights, 3, 500, seed=3)
+    kept = worker._envs
+    cut = worker.evaluate(weights, 3, 4, seed=4)  # leaves the envs mid-game
+    again = worker.evaluate(weights, 3, 500, seed=3)
+    assert worker._envs is kept and cut["unfinished"] == 3
+    assert again["lengths"] == first["lengths"] == EvalWorker(*args).evaluate(weights, 3, 500, seed=3)["lengths"]
+    assert again["returns"] == first["returns"]
+    assert first["lengths"] != worker.evaluate(weights, 3, 500, seed=4)["lengths"]  # the seed decides the games
+    three = worker.evaluate(weights, 2, 5, seed=3)
+    assert worker._envs is not kept and worker._envs.num_envs == 2 and three["lengths"] == [5, 5]
+
+
 def test_the_evaluation_actor_takes_a_cancel_while_it_plays():
     """As the plan makes it (two threads), the actor ends an evaluation in play when cancelled: the run's end
     does not wait for an evaluation whose result it would not use."""

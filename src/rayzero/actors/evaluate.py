@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 from rayzero.actors.network import LocalNetwork, RemoteNetwork, search_observations
 from rayzero.config import EnvConfig, ModelConfig
-from rayzero.envs import make_render_env, make_vector_env
+from rayzero.envs import BatchedEnv, make_render_env, make_vector_env
 from rayzero.inference.channel import GREEDY_OVERRIDES
 from rayzero.models import build_model
 from rayzero.tree import SearchConfig
@@ -28,6 +29,7 @@ def play_episodes(
     env_cfg: EnvConfig, network: Any, search_cfg: SearchConfig, episodes: int, max_steps: int, seed: int,
     versions: list[int] | None = None, stop: Callable[[], bool] | None = None,
     timing: dict[str, float] | None = None, finished: list[bool] | None = None, lengths: list[int] | None = None,
+    env: BatchedEnv | None = None,
 ) -> list[float]:
     """One episode in each of `episodes` parallel envs; returns their undiscounted, unclipped returns.
 
@@ -37,8 +39,13 @@ def play_episodes(
     given, adds up seconds: `search` (each step's search, a round trip when remote), `env` (the env steps), and
     for remote searches `queue` and `device` (the inference actor's: before launch, and the batch on the GPU);
     and `steps`, the batched steps played. `finished`, when given, receives whether each episode ended (not cut
-    by `max_steps` or `stop`)."""
-    env = make_vector_env(env_cfg, episodes, seed, training=False)
+    by `max_steps` or `stop`). `env`: `episodes` envs of env_cfg to play in (reset with `seed` first, so the
+    games are those of new envs) and leave open; None: new ones, closed at the end."""
+    own = env is None
+    if env is None:
+        env = make_vector_env(env_cfg, episodes, seed, training=False)
+    elif env.num_envs != episodes:
+        raise ValueError(f"play_episodes: episodes={episodes} but the env given has {env.num_envs} envs")
     config = greedy(search_cfg)
     generator = torch.Generator().manual_seed(seed)
     remote = getattr(network, "whole_search", False)
@@ -74,7 +81,8 @@ def play_episodes(
             if done.all():
                 break
     finally:
-        env.close()
+        if own:
+            env.close()
         if finished is not None:
             finished.extend(bool(d) for d in done)
         if lengths is not None:
@@ -104,6 +112,12 @@ class EvalWorker:
             self.network = LocalNetwork(build_model(model_cfg, spec.observation_shape, spec.num_actions), discount)
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
+        # The envs of the last evaluation, kept for the next one of as many games (each resets them with its
+        # seed, so it plays the games of new envs): making Atari envs costs more than most of an evaluation's
+        # steps at the start, when the probe of the step time plays four short ones in a row (train.py;
+        # docs/benchmarks.md, thirty-sixth session). One evaluation uses them at a time.
+        self._envs: BatchedEnv | None = None
+        self._envs_lock = threading.Lock()
 
     def set_inference(self, server: Any) -> None:
         """Search through `server` from now on (the driver made a new inference actor after one died)."""
@@ -135,8 +149,9 @@ class EvalWorker:
         timing: dict[str, float] = {}
         finished: list[bool] = []
         lengths: list[int] = []
-        returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed, versions,
-                                stop, timing, finished, lengths)
+        with self._kept_envs(episodes, seed) as env:
+            returns = play_episodes(self.env_cfg, self.network, self.search_cfg, episodes, max_steps, seed,
+                                    versions, stop, timing, finished, lengths, env)
         result = {"version": versions[0] if versions else version, "returns": returns,
                   "mean": float(np.mean(returns)), "std": float(np.std(returns)),
                   "seconds": time.perf_counter() - start, "ended": time.time(), "steps": int(timing.pop("steps", 0)),
@@ -148,6 +163,28 @@ class EvalWorker:
         with self._lock:
             self._cancelled.discard(token)
         return result
+
+    @contextlib.contextmanager
+    def _kept_envs(self, episodes: int, seed: int) -> Iterator[BatchedEnv | None]:
+        """The kept envs when they hold `episodes` games (made anew when not); None while another evaluation
+        plays in them (play_episodes then makes its own). Envs that an evaluation left in an error are dropped."""
+        if not self._envs_lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            if self._envs is not None and self._envs.num_envs != episodes:
+                self._envs.close()
+                self._envs = None
+            if self._envs is None:
+                self._envs = make_vector_env(self.env_cfg, episodes, seed, training=False)
+            try:
+                yield self._envs
+            except BaseException:
+                self._envs.close()
+                self._envs = None
+                raise
+        finally:
+            self._envs_lock.release()
 
     def cancel(self, token: int) -> None:
         """End the evaluation `token` at its next step (the run's end does not wait for one whose result it
