@@ -707,16 +707,21 @@ def test_image_server_checks_dtype_and_traces_its_timeline():
 # -- the CUDA path's plumbing, emulated on the CPU (the `emulated_cuda` fixture: conftest.py) ---------------------
 
 
-def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
+@pytest.mark.parametrize("network_graphs", ["all", "search"])
+def test_emulated_cuda_path_matches_direct_calls(emulated_cuda, network_graphs):
+    """Every request answers as direct calls of the network and the search, with the network's own graphs for
+    every bucket or (inference.network_graphs=search, the plan's where every search is whole) only the roots'
+    graphs of the whole-search buckets, the other requests eagerly."""
     from rayzero.actors.network import LocalNetwork
     from rayzero.tree import SearchConfig, search
 
     search_cfg = SearchConfig(num_simulations=6, dirichlet_fraction=0.0, temperature=0.0)
     cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=2000, bf16=False, cache_size=32,
-                          search_max_batch=8)
+                          search_max_batch=8, network_graphs=network_graphs)
     srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=search_cfg, discount=0.99)
     runner = srv.runner
-    assert runner.cuda and set(runner.graphs) == {(k, b) for k in ("initial", "recurrent") for b in (4, 8, 16)}
+    assert runner.cuda and set(runner.graphs) == ({(k, b) for k in ("initial", "recurrent") for b in (4, 8, 16)}
+                                                  if network_graphs == "all" else {("initial", 4), ("initial", 8)})
     assert {key[0] for key in runner.searches} == {4, 8}
     _randomize(srv.model)
     model = srv.model
@@ -761,7 +766,12 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda):
     assert buckets["initial/20"]["graph"] == 0 and buckets["search/4"]["graph"] == 1
     graphed = [m for k, m in buckets.items() if m["graph"]]
     assert sum(m["padded"] for m in graphed) > 0 and all(0 <= m["padding_fraction"] < 1 for m in graphed)
-    assert sum(g.replays for g in runner.graphs.values()) >= 4
+    replays = sum(g.replays for g in runner.graphs.values())
+    recurrent = [m["graph"] for k, m in buckets.items() if k.startswith("recurrent/")]
+    if network_graphs == "all":
+        assert replays >= 4 and any(recurrent)
+    else:  # the graphed search's root replayed its initial step's graph; the recurrent requests ran eagerly
+        assert replays >= 1 and recurrent and not any(recurrent)
     # Weights land in place: the same parameter tensors, new values, reported version.
     before = [p.data_ptr() for p in model.parameters()]
     asyncio.run(srv.set_weights(2, {k: v * 0.5 for k, v in model.state_dict().items()}))

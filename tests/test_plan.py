@@ -101,6 +101,28 @@ def test_evaluations_with_their_own_virtual_loss_need_the_evaluation_network_whe
         config_lib.load("cartpole", ["run.eval_virtual_loss=-1"])
 
 
+def test_the_inference_actor_captures_only_the_roots_network_graphs_where_every_search_is_whole():
+    """inference.network_graphs=auto: on a GPU host whose searches all run whole on the inference actor, only the
+    initial step's graphs for the whole-search buckets are captured at start-up (the recurrent steps are inside
+    the searches' graphs); where trees are walked elsewhere (search.device=cpu) every network graph is."""
+    from rayzero.cluster.build import _inference_args
+    from rayzero.envs import env_spec
+
+    gpu_host = {"CPU": 16.0, "GPU": 1.0}
+
+    def network_graphs(overrides: list[str]) -> tuple[bool, str]:
+        config = config_lib.load("atari", overrides)
+        p = cluster.plan(config, gpu_host)
+        (_, inference_cfg, *_), _ = _inference_args(config, env_spec(config.env), p)
+        return p.whole_search, inference_cfg.network_graphs
+
+    assert network_graphs([]) == (True, "search")
+    assert network_graphs(["search.device=cpu"]) == (False, "all")
+    assert network_graphs(["inference.network_graphs=all"]) == (True, "all")  # the user's choice stands
+    with pytest.raises(ConfigError, match=r"inference.network_graphs='some' is invalid: must be 'auto', 'all' or"):
+        config_lib.load("atari", ["inference.network_graphs=some"])
+
+
 def test_central_inference_on_the_cpu_does_not_send_whole_searches():
     plan = cluster.plan(config_lib.load("cartpole", ["inference.mode=central"]), {"CPU": 2.0})
     assert plan.inference is not None and plan.inference.device == "cpu" and not plan.whole_search

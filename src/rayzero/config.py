@@ -454,6 +454,12 @@ class InferenceConfig:
     """Latent slots kept on the inference device for searches controlled from the CPU."""
     cuda_graphs: bool = True
     """Capture one CUDA graph per bucket (CUDA only)."""
+    network_graphs: str = "auto"
+    """With cuda_graphs, the network's own graphs captured at start-up. 'all': the initial and the recurrent step
+    for every bucket (requests from trees walked elsewhere: search.device=cpu, or reanalyse and evaluation
+    searching locally); 'search': only the initial step for the whole-search buckets (a whole search's roots; its
+    own graph holds the recurrent steps), and other requests run eagerly; 'auto': the plan's, 'search' where every
+    search of the run is a whole search on this actor, else 'all'."""
     bf16: bool = True
     """bf16 trunk with fp32 heads (CUDA only)."""
     fp32_heads: bool = True
@@ -532,6 +538,7 @@ class InferenceConfig:
             ("switch_interval_us", self.switch_interval_us >= 0, ">= 0 (0 = Python's default)"),
             ("max_queue", self.max_queue >= 0, ">= 0 (0 = 4 x inference.max_batch)"),
             ("stream_priority", self.stream_priority in ("high", "low"), "'high' or 'low'"),
+            ("network_graphs", self.network_graphs in ("auto", "all", "search"), "'auto', 'all' or 'search'"),
             ("compile_mode", self.compile_mode in INFERENCE_COMPILE_MODES, f"one of {INFERENCE_COMPILE_MODES}"),
         ])
 

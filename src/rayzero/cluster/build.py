@@ -159,8 +159,12 @@ class _RemoteReplay(ReplayBuffer):
 
 def _inference_args(config: Config, spec: EnvSpec, p: Plan) -> tuple[tuple, dict[str, Any]]:
     assert p.inference is not None
+    network_graphs = config.inference.network_graphs
+    if network_graphs == "auto":  # whole searches only: their roots' graphs are all the network's that are used
+        network_graphs = "search" if p.whole_search else "all"
     inference_cfg = dataclasses.replace(config.inference, device=p.inference.device,
-                                        latent_pool_size=p.latent_slots or config.inference.latent_pool_size)
+                                        latent_pool_size=p.latent_slots or config.inference.latent_pool_size,
+                                        network_graphs=network_graphs)
     return ((config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
              p.inference.torch_threads(config.cluster.torch_threads)),
             {"obs_dtype": spec.observation_dtype, "search_cfg": config.search, "discount": config.replay.discount,

@@ -193,8 +193,11 @@ class Runner:
         if self.use_graphs:
             start = time.perf_counter()
             with torch.no_grad(), torch.cuda.stream(self.stream):
-                for bucket in self.ladder:
-                    for kind in ("initial", "recurrent"):
+                # inference.network_graphs='search': a whole search's root only (its own graph holds the rest)
+                network = (self.search_ladder if cfg.network_graphs == "search" else self.ladder,
+                           ("initial",) if cfg.network_graphs == "search" else ("initial", "recurrent"))
+                for bucket in network[0]:
+                    for kind in network[1]:
                         self.graphs[(kind, bucket)] = self._capture(kind, bucket)
                 merged = merged_search(search_cfg, search_cfg) if cfg.merge_searches else None
                 for bucket in self.search_ladder:

@@ -216,7 +216,7 @@ class InferenceServer:
         graphs (the served runner's search ladder and configs), for whole searches only."""
         top = max(self.runner.search_ladder)
         lane_cfg = dataclasses.replace(self.cfg, max_batch=top, search_max_batch=top, latent_pool_size=top,
-                                       cache_size=0, search_lanes=1)
+                                       cache_size=0, search_lanes=1, network_graphs="search")
         model = build_model(model_cfg, self.obs_shape, self.num_actions).to(self.device).eval()
         model.load_state_dict(self.model.state_dict())
         return self.gpu.submit(Runner, model, lane_cfg, self.obs_shape, self.obs_dtype, self.num_actions,
@@ -227,7 +227,8 @@ class InferenceServer:
         smallest of the ladder that holds an evaluation's roots)."""
         bucket = next((b for b in self.ladder if b >= eval_rows), self.ladder[-1])
         eval_cfg = dataclasses.replace(self.cfg, max_batch=bucket, min_bucket=bucket, search_max_batch=bucket,
-                                       merge_searches=False, latent_pool_size=bucket, cache_size=0)
+                                       merge_searches=False, latent_pool_size=bucket, cache_size=0,
+                                       network_graphs="search")
         model = build_model(model_cfg, self.obs_shape, self.num_actions).to(self.device).eval()
         model.load_state_dict(self.model.state_dict())
         return self.gpu.submit(Runner, model, eval_cfg, self.obs_shape, self.obs_dtype, self.num_actions, [bucket],
