@@ -165,7 +165,7 @@ def _cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> 
 
 
 def _process_cpu(proc: str = "/proc") -> dict[int, tuple[str, float]] | None:
-    """Every process's (role, CPU seconds so far, its threads' user and system time) from `proc`. The role is a
+    """Every process's (role, CPU seconds so far: its threads' user and system time) from `proc`. The role is a
     Ray worker's actor class or task from its title ("ray::_RemoteSelfPlay.collect" -> "_RemoteSelfPlay"), else
     the process's name (raylet, gcs_server, python3). None where there is no `proc`."""
     try:

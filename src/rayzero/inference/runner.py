@@ -193,11 +193,9 @@ class Runner:
         if self.use_graphs:
             start = time.perf_counter()
             with torch.no_grad(), torch.cuda.stream(self.stream):
-                # inference.network_graphs='search': a whole search's root only (its own graph holds the rest)
-                network = (self.search_ladder if cfg.network_graphs == "search" else self.ladder,
-                           ("initial",) if cfg.network_graphs == "search" else ("initial", "recurrent"))
-                for bucket in network[0]:
-                    for kind in network[1]:
+                search_only = cfg.network_graphs == "search"  # whole searches' roots: their graphs hold the rest
+                for bucket in self.search_ladder if search_only else self.ladder:
+                    for kind in ("initial",) if search_only else ("initial", "recurrent"):
                         self.graphs[(kind, bucket)] = self._capture(kind, bucket)
                 merged = merged_search(search_cfg, search_cfg) if cfg.merge_searches else None
                 for bucket in self.search_ladder:
@@ -621,5 +619,9 @@ class Runner:
                        generator=self.generator)
             return run_eager
         if graph:
+            if (kind, bucket) not in self.graphs:
+                raise ValueError(f"profile: no {kind} graph for bucket {bucket}: inference.network_graphs='search' "
+                                 f"captures the initial step's for the whole-search buckets only; profile with "
+                                 f"graph=False, or set 'all'")
             return self.graphs[(kind, bucket)].replay
         return lambda: self._body(kind, bucket)
