@@ -33,6 +33,7 @@ def test_overrides_apply_to_their_section():
         ("inference.compile_mode=reduce-overhead",
          "inference.compile_mode='reduce-overhead' is invalid: must be one of "
          "('default', 'max-autotune-no-cudagraphs')"),
+        ("inference.poll_interval_us=0", "inference.poll_interval_us=0 is invalid: must be between 1 and 100000"),
         ("justtext", "section.field=value"),
     ],
 )

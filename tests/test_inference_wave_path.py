@@ -154,6 +154,29 @@ def test_waves_are_answered_by_the_network_while_the_event_loop_is_blocked(local
         served.close()
 
 
+def test_the_poller_sweeps_at_the_configured_interval_and_answers_as_before(local):
+    """inference.poll_interval_us: the channels' poller sweeps that often while requests come (20 us by
+    default); at a longer interval the answers are the same."""
+    served = Served(local, poll_interval_us=300)
+    try:
+        tree, rng = Tree(local), np.random.default_rng(1)
+        client = served.client("slow-poll", 8)
+        handles = tree.initial(served, "slow-poll", rng.normal(size=(8, *OBS)).astype(np.float32))
+        assert served.server._poller.sleep_s == pytest.approx(300e-6)
+        for _ in range(5):
+            actions = rng.integers(0, A, size=8)
+            tree.check(handles, actions, client.recurrent(handles, actions, store=False), store=False)
+        assert served.server.stats()["errors"] == 0
+    finally:
+        served.close()
+    default = Served(local)
+    try:
+        default.client("fast-poll", 4)
+        assert default.server._poller.sleep_s == pytest.approx(20e-6)
+    finally:
+        default.close()
+
+
 def test_concurrent_clients_each_get_their_own_rows_in_shared_batches(local):
     served = Served(local, max_wait_us=2000)
     errors: list[BaseException] = []

@@ -500,6 +500,11 @@ class InferenceConfig:
     latent_timeout_s: float = 0.0
     """Free the latent slots of a client idle this long (seconds; 0 = only when the pool runs short, oldest
     client first)."""
+    poll_interval_us: int = 20
+    """How often the actor's poller thread sweeps the shared-memory channels for new requests while requests
+    come or are in flight (microseconds; it backs off when they stop). Each sweep takes the actor's GIL: a longer
+    interval leaves more of a core and of the GIL to the rest, and adds up to itself to a request's wait, small
+    beside a whole search's milliseconds (`rayzero bench selfplay --rows preset,poll100`)."""
     cache_size: int = 0
     """Entries of the initial-inference cache keyed by an observation hash (LRU; 0 = off). Cleared on
     every weight update."""
@@ -537,6 +542,7 @@ class InferenceConfig:
             ("cache_size", self.cache_size >= 0, ">= 0 (0 = no cache)"),
             ("switch_interval_us", self.switch_interval_us >= 0, ">= 0 (0 = Python's default)"),
             ("max_queue", self.max_queue >= 0, ">= 0 (0 = 4 x inference.max_batch)"),
+            ("poll_interval_us", 1 <= self.poll_interval_us <= 100_000, "between 1 and 100000"),
             ("stream_priority", self.stream_priority in ("high", "low"), "'high' or 'low'"),
             ("network_graphs", self.network_graphs in ("auto", "all", "search"), "'auto', 'all' or 'search'"),
             ("compile_mode", self.compile_mode in INFERENCE_COMPILE_MODES, f"one of {INFERENCE_COMPILE_MODES}"),

@@ -11,8 +11,9 @@ kept busy (/proc/PID/stat: which processes took them). On a GPU host the
 default rows are the `atari` preset at 50 simulations with the plan's envs per actor and with 16, at 200
 simulations, and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the
 inference actor), each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256,
-cut,lanes2,lanes3,lanes2_128,lanes3_128,vl2,vl4,vl8,groups3` picks some of them (a device call may not have time
-for all four); envs128, cpu128, cpu256, cut, the lanes, virtual-loss and groups rows run only when asked for.
+cut,lanes2,lanes3,lanes2_128,lanes3_128,vl2,vl4,vl8,groups3,poll100` picks some of them (a device call may not have time
+for all four); envs128, cpu128, cpu256, cut, the lanes, virtual-loss, groups and poll rows run only when asked
+for.
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
@@ -372,7 +373,8 @@ GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [
             "lanes2_128": [*_HOST, "inference.search_lanes=2", "env.num_envs=128"],
             "lanes3_128": [*_HOST, "inference.search_lanes=3", "env.num_envs=128"],
             "vl2": [*_HOST, "search.virtual_loss=2"], "vl4": [*_HOST, "search.virtual_loss=4"],
-            "vl8": [*_HOST, "search.virtual_loss=8"], "groups3": [*_HOST, "env.search_groups=3"]}
+            "vl8": [*_HOST, "search.virtual_loss=8"], "groups3": [*_HOST, "env.search_groups=3"],
+            "poll100": [*_HOST, "inference.poll_interval_us=100"]}
 """The rows on a GPU host: the plan's envs per actor (cluster/plan.py, `selfplay_envs`: 128 where whole searches
 run on the GPU), then 16 (searches of a quarter the roots) or 128, 200 simulations, and the trees walked on the
 CPU with 64 envs per actor (the preset's) and with 128 (a CPU search's simulation waves wait on the round trip to

@@ -318,7 +318,8 @@ class InferenceServer:
         if self._poller is None:
             self._channel_loop = asyncio.get_running_loop()
             self._poller = channels.Poller(self._on_channel_requests, self.cfg.latent_timeout_s,
-                                           on_gone=self._on_client_gone, on_idle=self._dispatch_waves)
+                                           sleep_s=self.cfg.poll_interval_us * 1e-6, on_gone=self._on_client_gone,
+                                           on_idle=self._dispatch_waves)
         self._poller.add(channel)
         return {"paths": paths}
 
