@@ -523,3 +523,26 @@ def test_two_runners_whole_searches_at_once_on_their_streams_finish_and_answer_a
             time.sleep(0.001)
         for runner, want in zip(runners, alone):
             torch.testing.assert_close(visits(runner), want, rtol=0, atol=0)
+
+
+def test_virtual_loss_only_in_the_whole_search_graphs_of_buckets_up_to_max_trees():
+    """search.virtual_loss_max_trees on CUDA: each whole-search graph takes its K from its bucket, so a request
+    that fills a bucket of at most that many trees searches at K = 8 and a larger one at K = 1: greedy answers
+    equal those of actors searching at K = 8 and at K = 1 (which differ here)."""
+    sims = 12
+    greedy = {"temperature": 0.0, "dirichlet_fraction": 0.0, "gumbel_scale": 0.0}
+    mixed = _server(search_cfg=SearchConfig(num_simulations=sims, virtual_loss=8, virtual_loss_max_trees=16))
+    walks8 = _server(search_cfg=SearchConfig(num_simulations=sims, virtual_loss=8))
+    walks1 = _server(search_cfg=SearchConfig(num_simulations=sims, virtual_loss=1))
+    small, large = _obs(4, seed=7), _obs(20, seed=8)  # buckets 8 (<= 16) and 32 (> 16)
+
+    async def go(srv):
+        return await srv.search("selfplay-0", small, **greedy), await srv.search("selfplay-0", large, **greedy)
+
+    (m_small, m_large), (e_small, _), (_, o_large) = (asyncio.run(go(srv)) for srv in (mixed, walks8, walks1))
+    np.testing.assert_array_equal(m_small["visit_counts"], e_small["visit_counts"])
+    np.testing.assert_array_equal(m_large["visit_counts"], o_large["visit_counts"])
+    (k8_large, k1_small) = (asyncio.run(go(walks8))[1], asyncio.run(go(walks1))[0])
+    assert not np.array_equal(k8_large["visit_counts"], o_large["visit_counts"])  # K tells on these searches
+    assert not np.array_equal(k1_small["visit_counts"], e_small["visit_counts"])
+    assert mixed.stats()["errors"] == 0

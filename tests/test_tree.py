@@ -549,6 +549,31 @@ def test_virtual_loss(K, n, cpu_backend):
     assert used.sum(-1).ge(12).all()  # the K walks of a wave mostly differ
 
 
+@pytest.mark.parametrize("B, max_trees, same_as_K", [(3, 2, 1), (2, 2, 4), (3, 0, 4)])
+def test_virtual_loss_only_in_searches_of_at_most_max_trees(B, max_trees, same_as_K, cpu_backend):
+    """search.virtual_loss_max_trees: a search of more trees than that walks one path per wave (the same visits
+    and network calls as K = 1); one of at most that many, or any with 0, takes K walks per wave."""
+    A, n = 4, 13
+    sizes = []
+
+    def counting(action, emb):
+        sizes.append(action.shape[0])
+        return hash_model(A)(action, emb)
+
+    out = search(hash_root(B, A), counting, n, SearchConfig(virtual_loss=4, virtual_loss_max_trees=max_trees,
+                                                            **NO_NOISE))
+    expected = search(hash_root(B, A), hash_model(A), n, SearchConfig(virtual_loss=same_as_K, **NO_NOISE))
+    other = search(hash_root(B, A), hash_model(A), n, SearchConfig(virtual_loss=5 - same_as_K, **NO_NOISE))
+    assert torch.equal(out.visit_counts, expected.visit_counts)
+    assert not torch.equal(out.visit_counts, other.visit_counts)  # K tells here, so the match above means something
+    assert len(sizes) == -(-n // same_as_K) and sizes[0] == B * same_as_K
+
+
+def test_virtual_loss_max_trees_rejects_negative():
+    with pytest.raises(ValueError, match=r"search.virtual_loss_max_trees=-1 is invalid: must be >= 0"):
+        SearchConfig(virtual_loss=8, virtual_loss_max_trees=-1)
+
+
 def test_virtual_loss_gumbel_rejected():
     with pytest.raises(ValueError, match="virtual_loss"):
         search(hash_root(2, 3), hash_model(3), 8, SearchConfig(policy="gumbel", virtual_loss=2))

@@ -50,6 +50,10 @@ class SearchConfig:
     tree the values do not yet tell apart are not stretched to [0, 1]; 0 = MuZero's and mctx's rule."""
     virtual_loss: int = 1
     """Simulations per tree per wave (K); K > 1 applies virtual loss so the K paths differ."""
+    virtual_loss_max_trees: int = 0
+    """Virtual loss only in searches of at most this many trees (a search of more walks one path per wave);
+    0 = in every search. A small search leaves the GPU waiting on each of its waves, so K walks per wave cut its
+    latency nearly K-fold; a large one keeps the GPU busy either way, and keeps one-path-per-wave search."""
     max_nodes: int = 0
     """Cap on nodes per tree (0 = num_simulations + 1); a search needing more raises a clear error."""
     triton: bool = True
@@ -76,6 +80,7 @@ class SearchConfig:
             ("gumbel_scale", self.gumbel_scale >= 0, ">= 0"),
             ("min_q_range", self.min_q_range >= 0, ">= 0 (0 = no floor)"),
             ("virtual_loss", self.virtual_loss >= 1, ">= 1"),
+            ("virtual_loss_max_trees", self.virtual_loss_max_trees >= 0, ">= 0 (0 = every search)"),
             ("max_nodes", self.max_nodes >= 0, ">= 0"),
             ("device", self.device in ("auto", "gpu", "cpu"), "'auto', 'gpu' or 'cpu'"),
             ("cpu_backend", self.cpu_backend in CPU_BACKENDS, f"one of {CPU_BACKENDS}"),

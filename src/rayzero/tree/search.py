@@ -80,6 +80,8 @@ def search(
             f"search.virtual_loss={config.virtual_loss} is only implemented for policy='muzero', "
             f"not policy={config.policy!r}: use virtual_loss=1"
         )
+    if 0 < config.virtual_loss_max_trees < B:
+        K = 1  # a large search: one walk per wave (search.virtual_loss_max_trees)
     N = n + 1
     if config.max_nodes > 0 and N > config.max_nodes:
         raise ValueError(
