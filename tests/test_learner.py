@@ -1372,6 +1372,39 @@ def test_a_compiled_step_with_wrong_gradients_is_dropped_and_its_updates_are_eag
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("wrong_calls", [1, 100])
+def test_a_failed_compile_check_runs_the_compiled_step_again_on_the_same_batch(monkeypatch, caplog, wrong_calls):
+    """Pong runs s36a and s37a's whole-loss steps computed 20-200x eager's gradients at their first checked update:
+    the warning also gives the gradient norm of the compiled step run once more on the same batch from the same
+    state, which tells a miscompile wrong for these inputs (the same norm again) from one that differs between
+    calls (eager's norm the second time). The update itself stays eager's."""
+    calls = []
+
+    def wrong_for_a_while(module):
+        def step(batch):
+            calls.append(1)
+            loss, stats, priorities = module(batch)
+            return (loss * 10.0 if len(calls) <= wrong_calls else loss), stats, priorities
+        return step
+
+    model, base, replay = _consistency_learners()
+    batch = replay.sample(8)
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    expected = reference.step(batch)[0]["loss"]
+    _compiled_as(monkeypatch, wrong_for_a_while)
+    learner = Learner(model, LearnerConfig(**base, compile=True, compile_check_steps=3), (3, 16, 16), 3, seed=0)
+    with caplog.at_level("WARNING"):
+        assert learner.step(batch)[0]["loss"] == expected
+    warning = next(r.getMessage() for r in caplog.records if "computed a gradient norm" in r.getMessage())
+    first, eager = (float(x) for x in warning.split("computed a gradient norm of ")[1].split(" on the same")[0]
+                    .split(" where eager computes "))
+    again = float(warning.split("), and ")[1].split(" when run again")[0])
+    assert first == pytest.approx(10 * eager, rel=1e-3)
+    assert again == pytest.approx(first if wrong_calls > 1 else eager, rel=1e-3)
+    for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 def test_the_compile_check_names_the_parameters_whose_gradients_the_miscompile_got_wrong(monkeypatch, caplog):
     """A miscompile that writes a wrong gradient into one parameter only: the warning names that one first, with
     its compiled and eager gradient norms (where to look for the faulty kernel)."""

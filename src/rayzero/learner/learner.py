@@ -612,6 +612,25 @@ class Learner:
         return torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in self.loss_module.parameters()
                                                      if p.grad is not None])).item()
 
+    def _rerun(self, tensors: dict[str, torch.Tensor], before: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None],
+               eager: bool) -> tuple[torch.Tensor, ...]:
+        """The update's loss and gradients once more from the state `before` it (BatchNorm statistics, RNG):
+        eagerly, or through the compiled step."""
+        buffers, cpu_rng, cuda_rng = before
+        with torch.no_grad():
+            for buffer, saved in zip(self.loss_module.buffers(), buffers):
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, self.device)
+        if not eager:
+            return self._loss_and_backward(tensors)
+        with self._autocast():
+            loss, stats, priorities = self.loss_module(tensors)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss, stats, priorities
+
     def _check_against_eager(self, tensors: dict[str, torch.Tensor],
                              before: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None],
                              compiled_loss: torch.Tensor, compiled_stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -622,17 +641,7 @@ class Learner:
         compiled_terms = _loss_terms(compiled_loss, compiled_stats)
         compiled = {name: p.grad.detach().float().clone() for name, p in self.loss_module.named_parameters()
                     if p.grad is not None}
-        buffers, cpu_rng, cuda_rng = before
-        with torch.no_grad():
-            for buffer, saved in zip(self.loss_module.buffers(), buffers):
-                buffer.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, self.device)
-        with self._autocast():
-            loss, stats, priorities = self.loss_module(tensors)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats, priorities = self._rerun(tensors, before, eager=True)
         eager_norm = self._grad_norm()
         self._check_steps -= 1
         mode = self.compile_state.split(":")[-1]
@@ -646,10 +655,16 @@ class Learner:
             since = "" if first_check else (
                 f" Since the first checked update this process compiled {grown['frames']} frames"
                 f" ({grown['graph_cache_hit']} graphs from the cache, {grown['graph_cache_miss']} new).")
+            worst = _worst_gradients(compiled, self.loss_module)
+            # The compiled step once more from the same state: the same wrong norm points at a kernel wrong for these
+            # inputs, another one at something that differs between calls (memory read before it is written).
+            self._rerun(tensors, before, eager=False)
+            again = self._grad_norm()
+            loss, stats, priorities = self._rerun(tensors, before, eager=True)  # eager's gradients and statistics
             log.warning(f"the compiled step ({mode}) computed a gradient norm of {compiled_norm:.4g} where eager "
-                        f"computes {eager_norm:.4g} on the same batch (update {self.steps}); "
-                        f"{self._what_next()}.{since} The forward (compiled / eager): {terms}. Largest "
-                        f"differences (compiled / eager gradient norm): {_worst_gradients(compiled, self.loss_module)}")
+                        f"computes {eager_norm:.4g} on the same batch (update {self.steps}), and {again:.4g} when "
+                        f"run again on it; {self._what_next()}.{since} The forward (compiled / eager): {terms}. "
+                        f"Largest differences (compiled / eager gradient norm): {worst}")
             self._next_compile_mode()
         elif not self._check_steps:
             log.info(f"the compiled step ({mode}) followed eager over {self.cfg.compile_check_steps} updates")
