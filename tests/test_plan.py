@@ -95,9 +95,11 @@ def test_evaluations_with_their_own_virtual_loss_need_the_evaluation_network_whe
     assert cluster.plan(cfg, gpu_host).whole_search
     assert cfg.eval_search.virtual_loss == 1 and cfg.search.virtual_loss == 8
     assert config_lib.load("atari", ["run.eval_virtual_loss=0"]).eval_search.virtual_loss == 8
-    preset = config_lib.load("atari")  # K = 8 in searches of <= 32 trees, evaluations at K = 1 on their own network
+    preset = config_lib.load("atari")  # K = 8 in searches of <= 16 trees, evaluations at K = 1 on their own network
     assert (preset.search.virtual_loss, preset.search.virtual_loss_max_trees, preset.eval_search.virtual_loss,
-            preset.inference.pinned_eval) == (8, 32, 1, True)
+            preset.inference.pinned_eval) == (8, 16, 1, True)
+    # Training's searches are halves of the one self-play actor's envs: larger than that, so one walk a wave.
+    assert preset.env.num_envs // preset.env.search_groups > preset.search.virtual_loss_max_trees
     with pytest.raises(ConfigError, match=r"run.eval_virtual_loss=-1 is invalid: must be >= 0"):
         config_lib.load("cartpole", ["run.eval_virtual_loss=-1"])
 
