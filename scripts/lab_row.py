@@ -79,6 +79,16 @@ def main() -> None:
         if wall > 0 and inside > 0:
             print(f"  learner over the last {wall:.0f} s: {steps / wall:.1f} updates/s, {inside / wall:.0%} of the time "
                   f"in its calls at {steps / inside:.1f} updates/s")
+    waited = [r for r in rows if "learner_wait_share" in r]
+    if len(waited) > 1:  # which side of the replay ratio waited on the other (the one that waits less is the bound)
+        window = [(a, b) for a, b in zip(waited, waited[1:]) if b["wall_seconds"] >= waited[-1]["wall_seconds"] - 200]
+        span = sum(b["wall_seconds"] - a["wall_seconds"] for a, b in window)
+        if span > 0:
+            shares = {key: sum(b[key] * (b["wall_seconds"] - a["wall_seconds"]) for a, b in window) / span
+                      for key in ("learner_wait_share", "selfplay_wait_share")}
+            print(f"  waits over the last {span:.0f} s: the learner without a call queued "
+                  f"{shares['learner_wait_share']:.0%}, self-play actors without a collect "
+                  f"{shares['selfplay_wait_share']:.0%}")
     evals = [(ended(r) - r["eval_seconds"], ended(r)) for r in rows if r.get("eval_seconds")]
     stepped = [r for r in rows if "learner_steps" in r and "eval_seconds" not in r]
     if evals and len(stepped) > 2 and first is not None:

@@ -4,7 +4,7 @@ import pytest
 
 from rayzero import config as config_lib
 from rayzero.config import RunConfig
-from rayzero.schedule import (COLLECT, EVAL, LEARN, REANALYSE, Counters, Rules, Schedule, final_reserve,
+from rayzero.schedule import (COLLECT, EVAL, LEARN, REANALYSE, Counters, Rules, Schedule, Waits, final_reserve,
                               temperature_at)
 
 RULES = Rules(replay_ratio=2.0, min_size=100, samples_per_step=10, steps_per_call=5, slack=50.0,
@@ -332,3 +332,22 @@ def test_learner_calls_queue_up_to_calls_in_flight_and_count_in_the_ratio():
     assert schedule.next_calls(near, {(LEARN, 0)}, [], now=1.0) == []
     assert Rules.from_config(config_lib.load("atari"), 12, 1, 0).learn_calls == 2
     assert Rules.from_config(config_lib.load("cartpole"), 1, 1, 0).learn_calls == 1
+
+
+def test_waits_share_the_time_each_side_of_the_replay_ratio_stood_without_work():
+    """Known answer: over 10 s, the learner had no call queued for 3 s, and one of two self-play actors had no
+    collect in flight for 4 s: 4 of the two actors' 20 s, 0.2."""
+    waits = Waits(now=100.0)
+    waits.busy(learner=True, actors=2, collecting=2)
+    waits.tick(102.0)
+    waits.busy(learner=False, actors=2, collecting=1)  # 102-105: the learner waits, one actor waits
+    waits.tick(105.0)
+    waits.busy(learner=True, actors=2, collecting=1)  # 105-106: one actor waits
+    waits.tick(106.0)
+    waits.busy(learner=True, actors=2, collecting=2)
+    assert waits.read(110.0) == pytest.approx({"learner_wait_share": 0.3, "selfplay_wait_share": 0.2})
+    # The next read covers only the time since this one: both busy throughout.
+    assert waits.read(115.0) == pytest.approx({"learner_wait_share": 0.0, "selfplay_wait_share": 0.0})
+    waits.busy(learner=False, actors=0, collecting=0)  # no actors (all lost): self-play's share stays 0
+    assert waits.read(120.0) == pytest.approx({"learner_wait_share": 1.0, "selfplay_wait_share": 0.0})
+

@@ -146,6 +146,9 @@ def test_a_time_limited_run_ends_by_its_limit_with_its_final_evaluation(tmp_path
     played = [row for row in rows if "selfplay_reward_per_1k_steps" in row]
     assert played and all(row["selfplay_reward_per_1k_steps"] == 1000.0 for row in played), played[:3]
     assert all(row["selfplay_positive_reward_share"] == 1.0 for row in played)
+    # Which side of the replay ratio waited, per progress row: shares of the row's time.
+    waits = [(row["learner_wait_share"], row["selfplay_wait_share"]) for row in played]
+    assert waits and all(0.0 <= a <= 1.0 + 1e-6 and 0.0 <= b <= 1.0 + 1e-6 for a, b in waits), waits
     assert re.search(r"rewards \+[1-9][0-9]*/-0 \(", log), log[-3000:]
 
 

@@ -321,3 +321,33 @@ class Schedule:
             times += [self.train_end, self.train_end - self.expected_eval - LAST_EVAL_LEAD]  # the last one's start
         until = min([now + 1.0] + [t for t in times if t > now])
         return max(0.01, until - now)
+
+
+class Waits:
+    """Which side of the replay ratio waits on the other: the seconds the learner had no train call queued, and
+    the actor-seconds self-play actors had no collect in flight, over the time since the last `read`. The side
+    that waits less is the bound. `busy` sets what is in flight from now until the next `tick`."""
+
+    def __init__(self, now: float):
+        self.since = self.last = now
+        self.learner_idle = self.selfplay_idle = 0.0
+        self.learner_busy, self.actors, self.collecting = True, 0, 0
+
+    def busy(self, learner: bool, actors: int, collecting: int) -> None:
+        self.learner_busy, self.actors, self.collecting = learner, actors, collecting
+
+    def tick(self, now: float) -> None:
+        span, self.last = now - self.last, now
+        if not self.learner_busy:
+            self.learner_idle += span
+        if self.actors:
+            self.selfplay_idle += span * (self.actors - self.collecting) / self.actors
+
+    def read(self, now: float) -> dict[str, float]:
+        """The shares of the time since the last read that each side waited (self-play's: per actor, averaged)."""
+        self.tick(now)
+        span = max(now - self.since, 1e-9)
+        shares = {"learner_wait_share": self.learner_idle / span, "selfplay_wait_share": self.selfplay_idle / span}
+        self.since, self.learner_idle, self.selfplay_idle = now, 0.0, 0.0
+        return shares
+

@@ -38,7 +38,7 @@ from rayzero.learner import checkpoint as ckpt
 from rayzero.ledger import TransitionLedger
 from rayzero.logs import logger
 from rayzero.replay.buffer import diagnostic_means
-from rayzero.schedule import COLLECT, EVAL, LEARN, REANALYSE, Call, Counters, Rules, Schedule
+from rayzero.schedule import COLLECT, EVAL, LEARN, REANALYSE, Call, Counters, Rules, Schedule, Waits
 from rayzero.storage import RunStorage
 
 __all__ = ["Driver", "check_fresh", "check_resumable", "train"]
@@ -172,6 +172,7 @@ class Driver:
         self.selfplay_rewards = np.zeros(4)
         self.recent_rewards: collections.deque[tuple[int, int]] = collections.deque(maxlen=REWARD_ROWS)
         self.last_metrics: dict[str, float] = {}
+        self.waits: Waits | None = None  # which side of the replay ratio waits (set when training starts)
         self.stop_reason = ""
         self.interrupt_requested = False  # set by Ctrl-C or SIGTERM
         self.stop_requested = ""  # a reason set by request_stop (from another thread)
@@ -366,6 +367,7 @@ class Driver:
         self.next_index = len(self.actors)
         self._publish(handles, wait=True)
         log.info("every role is up and has the first weights %.1f s into the run", time.perf_counter() - self.start)
+        self.waits = Waits(time.perf_counter())
         if rules.time_limit and rules.final_reserve:
             schedule.alone_step_seconds = self._alone_step_seconds(handles)
         while True:
@@ -380,9 +382,12 @@ class Driver:
             for call in schedule.next_calls(self.counters, in_flight, self.actors, time.perf_counter(),
                                             handles.replay.all_sampleable):
                 self.pending[self._issue(call, handles)] = call
+            self.waits.busy(any(call.role == LEARN for call in self.pending.values()), len(self.actors),
+                            sum(1 for call in self.pending.values() if call.role == COLLECT and call.index in self.actors))
             timeout = schedule.wait_timeout(time.perf_counter())
             waiting = list(self.pending) + self.pending_weights
             ready, _ = ray.wait(waiting, num_returns=1, timeout=timeout)
+            self.waits.tick(time.perf_counter())
             for ref in ready:
                 if ref in self.pending:
                     self._record(ref, self.pending.pop(ref), handles, metrics)
@@ -707,6 +712,8 @@ class Driver:
             "episodes": counters.episodes, "reanalysed": counters.reanalysed,
             **self.faults, **self.last_metrics,
         }
+        if self.waits is not None:
+            row.update(self.waits.read(time.perf_counter()))
         if recent:
             row["train_return_mean"] = float(np.mean(recent))
         reward_sum, positive, negative, steps = self.selfplay_rewards
