@@ -350,4 +350,3 @@ class Waits:
         shares = {"learner_wait_share": self.learner_idle / span, "selfplay_wait_share": self.selfplay_idle / span}
         self.since, self.learner_idle, self.selfplay_idle = now, 0.0, 0.0
         return shares
-

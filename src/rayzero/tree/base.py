@@ -52,8 +52,8 @@ class SearchConfig:
     """Simulations per tree per wave (K); K > 1 applies virtual loss so the K paths differ."""
     virtual_loss_max_trees: int = 0
     """Virtual loss only in searches of at most this many trees (a search of more walks one path per wave);
-    0 = in every search. A small search leaves the GPU waiting on each of its waves, so K walks per wave cut its
-    latency nearly K-fold; a large one keeps the GPU busy either way, and keeps one-path-per-wave search."""
+    0 = in every search. A small search is bound by its chain of network calls, which K walks per wave shorten
+    (its decision latency); a large one keeps the GPU busy either way, and keeps one walk per wave."""
     max_nodes: int = 0
     """Cap on nodes per tree (0 = num_simulations + 1); a search needing more raises a clear error."""
     triton: bool = True
