@@ -657,8 +657,9 @@ def test_the_evaluation_network_searches_with_the_evaluations_simulations(virtua
 
     search_cfg = SearchConfig(num_simulations=12, cpu_backend="torch", virtual_loss=virtual_loss)
     srv = InferenceServer(MODEL, InferenceConfig(device="cpu", max_batch=16, min_bucket=4, pinned_eval=True),
-                          (4,), 3, search_cfg=search_cfg, discount=0.99, eval_rows=4, eval_simulations=5,
-                          eval_virtual_loss=eval_virtual_loss)
+                          (4,), 3, search_cfg=search_cfg, discount=0.99, eval_rows=4,
+                          eval_search=dataclasses.replace(search_cfg, num_simulations=5,
+                                                          virtual_loss=eval_virtual_loss or virtual_loss))
     _randomize(srv.model)
     state = {k: v.clone() for k, v in srv.model.state_dict().items()}
     obs = np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32)
@@ -834,7 +835,7 @@ def test_emulated_cuda_each_runner_captures_its_graphs_on_its_own_stream(emulate
     cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False, search_max_batch=8,
                           pinned_eval=True)
     srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=search_cfg, discount=0.99, eval_rows=4,
-                          eval_simulations=5)
+                          eval_search=dataclasses.replace(search_cfg, num_simulations=5))
     served, evaluation = srv.runner, srv.eval_runner
     assert evaluation is not None and served.stream is not evaluation.stream
     for runner in (served, evaluation):

@@ -5,6 +5,7 @@ Skipped without CUDA."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -452,7 +453,8 @@ def test_the_evaluations_own_simulations_run_on_the_evaluation_networks_graphs_c
     cfg = InferenceConfig(device="cuda", max_batch=128, min_bucket=8, max_wait_us=2000, search_max_batch=32,
                           latent_pool_size=4096, bf16=True, merge_searches=True, pinned_eval=True)  # the preset's
     srv = InferenceServer(SMALL, cfg, OBS, A, seed=0, search_cfg=config, discount=0.99, eval_rows=10,
-                          eval_simulations=5, eval_virtual_loss=eval_virtual_loss)
+                          eval_search=dataclasses.replace(config, num_simulations=5,
+                                                          virtual_loss=eval_virtual_loss or virtual_loss))
     _randomize(srv.model, seed=3)
     weights = {k: v.cpu().clone() for k, v in srv.model.state_dict().items()}
     graphs = srv.stats()["search_graphs"] + len(srv.eval_runner.searches)

@@ -168,8 +168,7 @@ def _inference_args(config: Config, spec: EnvSpec, p: Plan) -> tuple[tuple, dict
     return ((config.model, inference_cfg, spec.observation_shape, spec.num_actions, config.run.seed,
              p.inference.torch_threads(config.cluster.torch_threads)),
             {"obs_dtype": spec.observation_dtype, "search_cfg": config.search, "discount": config.replay.discount,
-             "eval_rows": config.run.eval_episodes, "eval_simulations": config.eval_search.num_simulations,
-             "eval_virtual_loss": config.eval_search.virtual_loss})
+             "eval_rows": config.run.eval_episodes, "eval_search": config.eval_search})
 
 
 def make_inference(config: Config, spec: EnvSpec, p: Plan) -> Any | None:

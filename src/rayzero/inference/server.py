@@ -112,13 +112,13 @@ class InferenceServer:
     def __init__(self, model_cfg: ModelConfig, cfg: InferenceConfig, obs_shape: tuple[int, ...], num_actions: int,
                  seed: int = 0, torch_threads: int = 1, *, obs_dtype: Any = None,
                  search_cfg: SearchConfig | None = None, discount: float = 0.997, eval_rows: int = 0,
-                 eval_simulations: int = 0, eval_virtual_loss: int = 0):
+                 eval_search: SearchConfig | None = None):
         """obs_dtype: of the observations (default uint8 for [C, H, W], float32 otherwise); search_cfg and
         discount: of whole-search requests (the run's `search` section and `replay.discount`); eval_rows: the
         roots of an evaluation's greedy searches (run.eval_episodes), which inference.pinned_eval sizes the
-        evaluation network's graphs by; eval_simulations and eval_virtual_loss: those searches' simulations and
-        virtual loss (run.eval_simulations, run.eval_virtual_loss; 0 = search_cfg's), on the evaluation network's
-        graphs (a greedy request of any other client searches with search_cfg's)."""
+        evaluation network's graphs by; eval_search: those searches' section (`Config.eval_search`: its
+        simulations and virtual loss; None = search_cfg's), made greedy, on the evaluation network's graphs (a
+        greedy request of any other client searches with search_cfg's)."""
         started = time.perf_counter()
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
@@ -146,9 +146,8 @@ class InferenceServer:
         if self.cache is not None:
             self.gpu.submit(self.runner.enable_cache, cfg.cache_size).result()
         self._greedy_cfg = dataclasses.replace(self.search_cfg, **channels.GREEDY_OVERRIDES)
-        self.eval_search_cfg = dataclasses.replace(self._greedy_cfg,
-                                                   num_simulations=eval_simulations or self.search_cfg.num_simulations,
-                                                   virtual_loss=eval_virtual_loss or self.search_cfg.virtual_loss)
+        self.eval_search_cfg = dataclasses.replace(eval_search if eval_search is not None else self.search_cfg,
+                                                   **channels.GREEDY_OVERRIDES)
         self.eval_runner = (self._eval_runner(model_cfg, eval_rows, discount, seed)
                             if cfg.pinned_eval and eval_rows > 0 else None)
         self._init_lanes(model_cfg, discount, seed)
