@@ -825,6 +825,21 @@ def test_emulated_cuda_whole_searches_stop_at_a_smaller_bucket_where_it_moves_mo
     assert take(busy=True) == ([4, 4, 1], [])
 
 
+def test_emulated_cuda_the_start_up_log_says_where_the_captures_time_went(emulated_cuda, caplog):
+    """The inference actor's start on a GPU host (what a run's first update waits for): its log gives the time
+    before the captures, the network graphs' and each whole-search bucket's, whose first of a kind compiles."""
+    from rayzero.tree import SearchConfig
+
+    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False, search_max_batch=8)
+    with caplog.at_level("INFO", logger="rayzero.inference.server"):
+        srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=SearchConfig(num_simulations=4), discount=0.99)
+    parts = srv.runner.capture_parts
+    assert list(parts) == ["network graphs", "search 4", "search 8"] and all(t >= 0 for t in parts.values())
+    assert sum(parts.values()) <= srv.runner.capture_s + 1e-3
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("inference actor's start"))
+    assert "before the captures; network graphs " in line and ", search 4 " in line and ", search 8 " in line
+
+
 def test_emulated_cuda_each_runner_captures_its_graphs_on_its_own_stream(emulated_cuda):
     """Every graph of a runner (network steps and whole searches) is captured on that runner's compute stream,
     and the served and the evaluation network's runners have different ones: a captured GEMM keeps its capture

@@ -156,6 +156,8 @@ class Runner:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.searches: collections.OrderedDict[tuple[int, SearchConfig, bool], Any] = collections.OrderedDict()
         self.capture_s = 0.0
+        self.capture_parts: dict[str, float] = {}  # start-up seconds: the network's graphs, each bucket's search
+        self.capture_started = 0.0  # perf_counter() when the start-up captures began
         self.serving = False  # set once the start-up captures are done
         self._weights_copied: Any = None
         self._weight_stage: dict[str, torch.Tensor] | None = None
@@ -191,18 +193,21 @@ class Runner:
         self.stream.synchronize()
         self._ref_host = time.perf_counter()
         if self.use_graphs:
-            start = time.perf_counter()
+            start = self.capture_started = time.perf_counter()
             with torch.no_grad(), torch.cuda.stream(self.stream):
                 search_only = cfg.network_graphs == "search"  # whole searches' roots: their graphs hold the rest
                 for bucket in self.search_ladder if search_only else self.ladder:
                     for kind in ("initial",) if search_only else ("initial", "recurrent"):
                         self.graphs[(kind, bucket)] = self._capture(kind, bucket)
+                self.capture_parts["network graphs"] = time.perf_counter() - start
                 merged = merged_search(search_cfg, search_cfg) if cfg.merge_searches else None
                 for bucket in self.search_ladder:
+                    begun = time.perf_counter()  # the first of a kind of search compiles its kernels too
                     if merged is not None:
                         self._search_graph(bucket, merged[0], per_row=True)
                     else:
                         self._search_graph(bucket, search_cfg)
+                    self.capture_parts[f"search {bucket}"] = time.perf_counter() - begun
             self.stream.synchronize()
             self.capture_s = time.perf_counter() - start
         self.serving = True

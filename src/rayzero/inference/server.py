@@ -159,6 +159,10 @@ class InferenceServer:
                      f", the evaluation network's {len(self.eval_runner.searches)} in {self.eval_runner.capture_s:.1f} s",
                      "" if len(self.lanes) == 1 else f", {len(self.lanes) - 1} more search lanes in "
                      f"{sum(lane.capture_s for lane in self.lanes[1:]):.1f} s")
+            if self.runner.capture_parts:  # where a cold machine's start goes: the first of each kind compiles
+                log.info("inference actor's start: %.1f s before the captures; %s",
+                         self.runner.capture_started - started,
+                         ", ".join(f"{part} {seconds:.1f} s" for part, seconds in self.runner.capture_parts.items()))
         self._pinned_clients: set[str] = set()
         self._queues: dict[Any, collections.deque[_Request]] = {}
         self._queued_rows: collections.Counter = collections.Counter()
