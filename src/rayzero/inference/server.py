@@ -153,16 +153,7 @@ class InferenceServer:
         self._init_lanes(model_cfg, discount, seed)
         self.eval_version = 0
         if cuda:  # where a run's start goes (its first update waits for this actor)
-            log.info("inference actor up in %.1f s: %d network graphs and %d whole searches captured in %.1f s%s%s",
-                     time.perf_counter() - started, len(self.runner.graphs), len(self.runner.searches),
-                     self.runner.capture_s, "" if self.eval_runner is None else
-                     f", the evaluation network's {len(self.eval_runner.searches)} in {self.eval_runner.capture_s:.1f} s",
-                     "" if len(self.lanes) == 1 else f", {len(self.lanes) - 1} more search lanes in "
-                     f"{sum(lane.capture_s for lane in self.lanes[1:]):.1f} s")
-            if self.runner.capture_parts:  # where a cold machine's start goes: the first of each kind compiles
-                log.info("inference actor's start: %.1f s before the captures; %s",
-                         self.runner.capture_started - started,
-                         ", ".join(f"{part} {seconds:.1f} s" for part, seconds in self.runner.capture_parts.items()))
+            self._log_start(started)
         self._pinned_clients: set[str] = set()
         self._queues: dict[Any, collections.deque[_Request]] = {}
         self._queued_rows: collections.Counter = collections.Counter()
@@ -192,6 +183,19 @@ class InferenceServer:
         self._channel_errors = 0  # requests the poller thread refused (its own counter: no race with the loop's)
         self._gpu_errors = 0  # fast-path requests the GPU thread answered with an error
         self._init_waves()
+
+    def _log_start(self, started: float) -> None:
+        """The start-up's log lines: how long it took, and where the captures' time went."""
+        log.info("inference actor up in %.1f s: %d network graphs and %d whole searches captured in %.1f s%s%s",
+                 time.perf_counter() - started, len(self.runner.graphs), len(self.runner.searches),
+                 self.runner.capture_s, "" if self.eval_runner is None else
+                 f", the evaluation network's {len(self.eval_runner.searches)} in {self.eval_runner.capture_s:.1f} s",
+                 "" if len(self.lanes) == 1 else f", {len(self.lanes) - 1} more search lanes in "
+                 f"{sum(lane.capture_s for lane in self.lanes[1:]):.1f} s")
+        if self.runner.capture_parts:  # where a cold machine's start goes: the first of each kind compiles
+            log.info("inference actor's start: %.1f s before the captures; %s",
+                     self.runner.capture_started - started,
+                     ", ".join(f"{part} {seconds:.1f} s" for part, seconds in self.runner.capture_parts.items()))
 
     def _init_waves(self) -> None:
         """The wave queue (channel recurrent requests, poller thread -> GPU thread), under _wave_lock, and the
