@@ -26,3 +26,6 @@ python3 -c "import json; s = json.load(open('/tmp/bar300/summary.json')); print(
 timeout "${BENCH_TIMEOUT:-200}" python3 -m rayzero.bench.learner --preset atari learner.background_compile=false \
     --json "$out/bench_learner.json" > "$out/bench_learner.txt" 2>&1
 grep -v "A.L.E\|Stella\|pid=" "$out/bench_learner.txt" | tail -6
+# Where the start went (the GPU idles until the first update): the inference actor's captures, the learner's compile.
+grep -h "inference actor up\|inference actor.s start\|every role is up\|evaluation step alone\|followed eager\|where eager\|replays as one\|training stops" \
+    "$out/train.log" | sed 's/^.*rayzero/rayzero/' | cut -c1-300

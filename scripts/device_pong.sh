@@ -44,5 +44,5 @@ fi
 # What the log says about the final evaluation's reserve (the step timed alone, when training stopped), the
 # compiled step (the compile check, learner.compile_check_steps), the helper and the eager step's graph
 # (learner.step_graph).
-grep -h "inference actor up\|colocated learner built\|every role is up\|evaluation step alone\|training stops\|compiled step\|helpers compiled\|helpers were done\|helpers started\|helper process failed\|background compile (\|helpers' cache\|torch.compile\|CUDA graph" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | cut -c1-400 | head -24
+grep -h "inference actor up\|inference actor.s start\|colocated learner built\|every role is up\|evaluation step alone\|training stops\|compiled step\|helpers compiled\|helpers were done\|helpers started\|helper process failed\|background compile (\|helpers' cache\|torch.compile\|CUDA graph" "$out/train.log" | sed 's/^.*rayzero/rayzero/' | cut -c1-400 | head -24
 tail -2 "$out/train.log"
