@@ -1372,39 +1372,6 @@ def test_a_compiled_step_with_wrong_gradients_is_dropped_and_its_updates_are_eag
         assert torch.equal(a, b)
 
 
-def test_the_first_compiled_updates_run_with_a_longer_thread_switch_interval(monkeypatch):
-    """learner.compile_switch_interval_us: the updates that trace and compile the step run with that switch
-    interval (a colocated inference actor sets a short one for the process), and the process's comes back after;
-    the updates still equal eager's."""
-    import sys
-
-    seen = []
-
-    def recording(module):
-        def step(batch):
-            seen.append(sys.getswitchinterval())
-            return module(batch)
-        return step
-
-    model, base, replay = _consistency_learners()
-    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
-    _compiled_as(monkeypatch, recording)
-    learner = Learner(model, LearnerConfig(**base, compile=True, compile_check_steps=0), (3, 16, 16), 3, seed=0)
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(20e-6)  # as inference.switch_interval_us sets it
-    try:
-        for _ in range(5):
-            batch = replay.sample(8)
-            assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
-            assert sys.getswitchinterval() == pytest.approx(20e-6)
-    finally:
-        sys.setswitchinterval(before)
-    watched = 3  # the compile, then CUDA graphs' warm-up and recording in the modes that have them
-    assert seen[:watched] == [pytest.approx(5e-3)] * watched and seen[watched:] == [pytest.approx(20e-6)] * 2, seen
-    with pytest.raises(ValueError, match=r"learner.compile_switch_interval_us=-1 is invalid"):
-        LearnerConfig(**base, compile_switch_interval_us=-1)
-
-
 @pytest.mark.parametrize("wrong_calls", [1, 100])
 def test_a_failed_compile_check_runs_the_compiled_step_again_on_the_same_batch(monkeypatch, caplog, wrong_calls):
     """Pong runs s36a and s37a's whole-loss steps computed 20-200x eager's gradients at their first checked update:

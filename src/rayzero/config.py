@@ -336,11 +336,6 @@ class LearnerConfig:
     norm must be within 25 % of eager's; otherwise the learner logs both and falls back to the next mode (then
     eager). Those updates apply the eager gradients. A guard against silent miscompiles, which torch 2.11's
     inductor made of this step (docs/benchmarks.md, ninth session). 0 turns it off; a DDP rank never checks."""
-    compile_switch_interval_us: int = 5000
-    """Python's thread switch interval while the learner compiles its step in its process (its first compiled
-    updates), restored after. Dynamo's tracing is Python: beside an inference actor in the same process
-    (cluster.colocate_learner), whose inference.switch_interval_us is short, it would hand the GIL over every
-    few microseconds. 0 = leave the process's interval."""
     step_graph: bool = True
     """On CUDA, an update without CUDA graphs of its own (eager: while learner.background_compile's helper
     compiles, after compiling failed or was caught computing wrong gradients, or with compile false; or compiled
@@ -420,7 +415,6 @@ class LearnerConfig:
             ("checkpoint_interval", self.checkpoint_interval >= 1, ">= 1"),
             ("compile_mode", self.compile_mode in COMPILE_MODES, f"one of {COMPILE_MODES}"),
             ("compile_check_steps", self.compile_check_steps >= 0, ">= 0"),
-            ("compile_switch_interval_us", self.compile_switch_interval_us >= 0, ">= 0 (0 = the process's)"),
             ("compile_backend", self.compile_backend in COMPILE_BACKENDS, f"one of {COMPILE_BACKENDS}"),
             ("prefetch", self.prefetch >= 0, ">= 0"),
             ("gather_threads", self.gather_threads >= 1, ">= 1"),

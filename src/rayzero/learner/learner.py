@@ -498,8 +498,7 @@ class Learner:
                          f"(learner.step_graph){since}")
             self.graph_updates += 1
         else:
-            with self._compiling() if self._watch_steps else contextlib.nullcontext():
-                loss, stats, priorities, grad_norm = self._plain_update(tensors, lr)
+            loss, stats, priorities, grad_norm = self._plain_update(tensors, lr)
         with torch.no_grad():
             metrics = torch.cat([loss.detach().float().view(1), stats.float(), grad_norm.detach().float().view(1),
                                  torch.full((1,), float(stale), device=self.device)])
@@ -508,20 +507,6 @@ class Learner:
         self.steps += 1
         self.samples += len(tensors["weights"]) * self.world_size
         return priorities, metrics
-
-    @contextlib.contextmanager
-    def _compiling(self):
-        """While the first compiled updates trace and compile (learner.compile_switch_interval_us): a longer thread
-        switch interval, so that threads this process shares (a colocated inference actor's) take the GIL from the
-        compile every few milliseconds rather than microseconds."""
-        interval = self.cfg.compile_switch_interval_us / 1e6
-        before = sys.getswitchinterval()
-        if interval > before:
-            sys.setswitchinterval(interval)
-        try:
-            yield
-        finally:
-            sys.setswitchinterval(before)
 
     def _graph_ready(self) -> bool:
         """Whether this update goes through learner.step_graph: an eager step after its first updates, or a
