@@ -201,8 +201,8 @@ def test_training_stops_before_the_time_limit_for_the_final_evaluation():
 
 
 def test_the_final_evaluations_reserve_follows_the_last_evaluations_games_at_the_step_time_alone():
-    """Training stops the final evaluation's expected length before the limit: 1.1 x the step time measured
-    alone x 1.5 the last evaluation's longest game (a game cut at the evaluations' cap counts at the cap; at most
+    """Training stops the final evaluation's expected length before the limit: 2 s to stop, and 1.1 x the step time
+    measured alone x 1.5 the last evaluation's longest game (a game cut at the evaluations' cap counts at the cap; at most
     the final evaluation's step cap), at most rules.final_reserve, and all of that while either is unknown or a
     game was cut with no final cap."""
     rules = Rules(**{**RULES.__dict__, "time_limit": 540.0, "final_reserve": 120.0, "final_max_steps": 27_000,
@@ -211,20 +211,20 @@ def test_the_final_evaluations_reserve_follows_the_last_evaluations_games_at_the
     assert schedule.reserve == 120.0 and schedule.train_end == 420.0  # nothing measured yet
     schedule.alone_step_seconds = 0.016
     assert schedule.reserve == 120.0  # no evaluation yet
-    schedule.evaluated(300.0, steps=2000)  # Breakout-like: 1.1 x 0.016 x 3,000 = 52.8 s
-    assert schedule.reserve == pytest.approx(52.8)
-    assert schedule.stop_reason(Counters(), now=487.0) == ""
-    assert schedule.stop_reason(Counters(), now=487.3) == "time_limit"
-    schedule.evaluated(400.0, steps=3000)  # Pong-like, under the evaluations' cap: 1.1 x 0.016 x 4,500 = 79.2 s
-    assert schedule.reserve == pytest.approx(79.2)
-    schedule.evaluated(450.0, steps=4000)  # a game cut at the evaluations' cap: 1.1 x 0.016 x 6,000 = 105.6 s
-    assert schedule.reserve == pytest.approx(105.6)
-    schedule.alone_step_seconds = 0.03  # 1.1 x 0.03 x 6,000 = 198 s: at most the final reserve
+    schedule.evaluated(300.0, steps=2000)  # Breakout-like: 2 + 1.1 x 0.016 x 3,000 = 54.8 s
+    assert schedule.reserve == pytest.approx(54.8)
+    assert schedule.stop_reason(Counters(), now=485.0) == ""
+    assert schedule.stop_reason(Counters(), now=485.3) == "time_limit"
+    schedule.evaluated(400.0, steps=3000)  # Pong-like, under the evaluations' cap: 2 + 1.1 x 0.016 x 4,500 = 81.2 s
+    assert schedule.reserve == pytest.approx(81.2)
+    schedule.evaluated(450.0, steps=4000)  # a game cut at the evaluations' cap: 2 + 1.1 x 0.016 x 6,000 = 107.6 s
+    assert schedule.reserve == pytest.approx(107.6)
+    schedule.alone_step_seconds = 0.03  # 2 + 1.1 x 0.03 x 6,000 = 200 s: at most the final reserve
     assert schedule.reserve == 120.0
     capped = Schedule(Rules(**{**rules.__dict__, "final_max_steps": 5000}), start=0.0)
     capped.alone_step_seconds = 0.016
-    capped.evaluated(300.0, steps=4000)  # cut, and the final one's cap is lower than 6,000: 1.1 x 0.016 x 5,000
-    assert capped.reserve == pytest.approx(88.0)
+    capped.evaluated(300.0, steps=4000)  # cut, and the final one's cap is lower than 6,000: 2 + 1.1 x 0.016 x 5,000
+    assert capped.reserve == pytest.approx(90.0)
     uncapped = Schedule(Rules(**{**rules.__dict__, "final_max_steps": 0}), start=0.0)
     uncapped.alone_step_seconds = 0.016
     uncapped.evaluated(300.0, steps=4000)

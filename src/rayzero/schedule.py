@@ -40,6 +40,9 @@ EVAL_GROWTH = 1.5
 to the 4,000-step cap between two evaluations of a 540 s run)."""
 EVAL_MARGIN = 1.1
 """And its steps to take up to this times the last one's seconds a step."""
+STOP_SECONDS = 2.0
+"""And the reserve adds this for stopping: the calls in flight ending and the final weights being published before
+the final evaluation starts (a short run's reserve is otherwise less than that, and its end overran the limit)."""
 LAST_EVAL_LEAD = 1.0
 """Seconds ahead of its latest start that the last evaluation may start: the loop's longest wait (wait_timeout)."""
 
@@ -268,7 +271,8 @@ class Schedule:
     def reserve(self) -> float:
         """Seconds before the time limit that training stops for the final evaluation: its expected length, as
         for the evaluations during training but at `alone_step_seconds` (nothing else runs then) and up to
-        rules.final_max_steps, at most rules.final_reserve (all of it while the length cannot be estimated)."""
+        rules.final_max_steps, and STOP_SECONDS to stop training; at most rules.final_reserve (all of it while the
+        length cannot be estimated)."""
         rules = self.rules
         if not self.alone_step_seconds or not self.longest_eval:
             return rules.final_reserve
@@ -279,7 +283,7 @@ class Schedule:
         # Reserving all of the final cap instead kept ~50 s of training back in Pong run 21a, whose final games
         # then ended well within the reserve (docs/benchmarks.md, twenty-first session).
         longest = _grown(self.longest_eval, rules.final_max_steps)
-        return min(rules.final_reserve, EVAL_MARGIN * self.alone_step_seconds * longest)
+        return min(rules.final_reserve, STOP_SECONDS + EVAL_MARGIN * self.alone_step_seconds * longest)
 
     @property
     def train_end(self) -> float:
