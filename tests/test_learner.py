@@ -1,6 +1,7 @@
 """Learner: the loss learns a fixed batch, checkpoints restore exactly, corrupt files fail clearly."""
 
 import dataclasses
+import shutil
 import time
 
 import numpy as np
@@ -670,24 +671,112 @@ def _train_regions_first(reference, learner, replay, done, timeout_s=240.0):
     return kinds
 
 
-def test_regions_first_trains_on_the_regions_step_then_moves_to_the_whole_loss_with_the_same_updates(caplog):
-    """learner.regions_first: helpers compile the loss's regions and the whole loss; the learner trains eagerly,
-    then on the regions' compiled step once their helpers are done, then on the whole loss's once its helper is,
-    and every update equals eager's."""
+@pytest.fixture(scope="module")
+def prewarmed():
+    """(model, the regions_first compile settings, replay, a directory of learner.early_compile's helpers all done
+    with exit code 0): the helpers run once for the tests that read their reports; each test works on a copy."""
+    import tempfile
+    from pathlib import Path
+
     from rayzero.learner import background
 
     model, base, replay = _consistency_learners()
-    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
     cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True,
                         regions_first=True)
     assert background.parts(cfg, model) == ["root", "unroll", "step", "bootstrap", "consistency"]
-    learner = Learner(model, cfg, (3, 16, 16), 3, seed=0)
+    tensors = background.synthetic_batch(replay.cfg, (3, 16, 16), np.dtype(np.uint8), 3, 8)
+    directory = Path(tempfile.mkdtemp(prefix="rayzero_prewarm_test."))
+    helpers = background.prewarm(model, cfg, (3, 16, 16), 3, torch.device("cpu"), tensors, directory)
+    assert sorted(p.stem for p in directory.glob("*.pid")) == ["bootstrap", "consistency", "root", "step", "unroll"]
+    for helper in helpers:
+        assert helper.wait(timeout=240) == 0
+    assert sorted(p.read_text() for p in directory.glob("*.rc")) == ["0"] * 5
+    yield model, base, cfg, replay, directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _prewarmed_learner(prewarmed, tmp_path, step_rc):
+    """A regions_first learner watching a copy of `prewarmed`'s reports, the whole loss's ("step") helper's set to
+    `step_rc` (None: still running), and an eager reference learner."""
+    import os
+
+    model, base, cfg, replay, directory = prewarmed
+    reports = tmp_path / "prewarm"
+    shutil.copytree(directory, reports)
+    (reports / "step.rc").unlink()
+    if step_rc is None:
+        (reports / "step.pid").write_text(str(os.getpid()))  # a live process, which has not reported
+    else:
+        (reports / "step.rc").write_text(str(step_rc))
+    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
+    learner = Learner(model, dataclasses.replace(cfg, prewarm_dir=str(reports)), (3, 16, 16), 3, seed=0)
+    return reference, learner, replay, reports
+
+
+def test_regions_first_trains_on_the_regions_step_then_moves_to_the_whole_loss_with_the_same_updates(
+        caplog, prewarmed, tmp_path):
+    """learner.regions_first, the whole loss's helper still compiling when the others are done (a cold cache): the
+    learner trains on the regions' compiled step, checked, and moves to the whole loss's once that helper reports;
+    every update equals eager's."""
+    reference, learner, replay, reports = _prewarmed_learner(prewarmed, tmp_path, None)
     caplog.set_level("INFO", logger="rayzero.learner.learner")
-    kinds = _train_regions_first(reference, learner, replay, lambda kind: kind == "whole")
-    # The whole loss's helper compiles more than the regions' (a two-step unroll here, so not by much): the learner
-    # may see it done as soon as the regions' step is checked, but never before the regions.
-    assert kinds in (["eager", "regions", "whole"], ["regions", "whole"]), kinds
-    assert "compiling it here from the warm cache" in caplog.text and "the whole loss's helper is done" in caplog.text
+    kinds = _train_regions_first(reference, learner, replay, lambda kind: kind == "regions", timeout_s=60)
+    assert kinds == ["regions"] and learner._whole_waiting, kinds
+    assert "compiling it here from the warm cache" in caplog.text
+    for _ in range(3):  # it stays on the regions' step while the whole loss's helper runs
+        batch = replay.sample(8)
+        assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
+    assert learner._whole_waiting
+    (reports / "step.rc").write_text("0")
+    kinds += _train_regions_first(reference, learner, replay, lambda kind: kind == "whole", timeout_s=60)
+    assert kinds == ["regions", "whole"], kinds
+    assert "the whole loss's helper is done (update" in caplog.text
+    for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_regions_first_compiles_the_whole_loss_at_once_when_its_helper_is_done_by_then(
+        caplog, prewarmed, tmp_path, monkeypatch):
+    """learner.regions_first with every helper done by the first update (a warm cache): the learner compiles the
+    whole loss at once, not the regions' step and its checked updates first, and keeps the regions' step to fall
+    back on. Shown with a whole loss whose loss is three times eager's: the check catches it at its first update,
+    and the learner goes on with the regions' compiled step, every update still eager's."""
+    from rayzero.learner.loss import CompiledRegions, MuZeroLoss
+
+    real = Learner._compiler
+    compiled_whole = []
+
+    def compiler(self, mode):
+        compile = real(self, mode)
+
+        def compile_one(fn, **kwargs):
+            compiled = compile(fn, **kwargs)
+            if not isinstance(fn, MuZeroLoss):  # a region: as compiled
+                return compiled
+            compiled_whole.append(self.steps)
+
+            def wrong(tensors):
+                loss, stats, priorities = compiled(tensors)
+                return 3 * loss, stats, priorities
+            return wrong
+        return compile_one
+
+    monkeypatch.setattr(Learner, "_compiler", compiler)
+    reference, learner, replay, _ = _prewarmed_learner(prewarmed, tmp_path, 0)
+    caplog.set_level("INFO", logger="rayzero.learner.learner")
+    kinds = _train_regions_first(reference, learner, replay,
+                                 lambda kind: "training on its regions' step" in caplog.text, timeout_s=60)
+    assert compiled_whole == [0], compiled_whole  # the whole loss, compiled before the first update
+    assert kinds == ["regions"], kinds  # its first update was caught, so none ended on it
+    lines = caplog.text.splitlines()
+    said = [next((i for i, line in enumerate(lines) if text in line), None) for text in (
+        "the whole loss's helper is done too", "computed a gradient norm", "going back to the regions' step",
+        "training on its regions' step")]
+    assert None not in said and said == sorted(said), caplog.text
+    for _ in range(3):
+        batch = replay.sample(8)
+        assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
+    assert isinstance(learner._switch.compiled, CompiledRegions) and learner.compile_state.startswith("on")
     for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -740,28 +829,13 @@ def test_regions_first_goes_back_to_the_regions_step_when_the_whole_loss_is_off_
         assert torch.equal(a, b)
 
 
-def test_regions_first_keeps_the_regions_step_when_the_whole_loss_helper_failed(caplog):
-    """learner.regions_first with helpers started with the run (learner.early_compile): the learner compiles the
-    regions once their helpers are done, without waiting on the whole loss's; when that one reports a failure it
-    says so and goes on with the regions' step, its updates still eager's."""
-    import tempfile
-    from pathlib import Path
-
-    from rayzero.learner import background
+def test_regions_first_keeps_the_regions_step_when_the_whole_loss_helper_failed(caplog, prewarmed, tmp_path):
+    """learner.regions_first with helpers started with the run (learner.early_compile): when the whole loss's
+    helper reports a failure, the learner says so and goes on with the regions' step, its updates eager's."""
     from rayzero.learner.loss import CompiledRegions
 
-    model, base, replay = _consistency_learners()
-    cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True,
-                        regions_first=True)
-    tensors = background.synthetic_batch(replay.cfg, (3, 16, 16), np.dtype(np.uint8), 3, 8)
-    directory = Path(tempfile.mkdtemp(prefix="rayzero_prewarm_test."))
-    helpers = background.prewarm(model, cfg, (3, 16, 16), 3, torch.device("cpu"), tensors, directory)
-    assert sorted(p.stem for p in directory.glob("*.pid")) == ["bootstrap", "consistency", "root", "step", "unroll"]
-    for helper in helpers:
-        assert helper.wait(timeout=240) == 0
-    (directory / "step.rc").write_text("1")  # what the whole loss's helper reports when its compile failed
-    reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
-    learner = Learner(model, dataclasses.replace(cfg, prewarm_dir=str(directory)), (3, 16, 16), 3, seed=0)
+    # What the whole loss's helper reports when its compile failed.
+    reference, learner, replay, _ = _prewarmed_learner(prewarmed, tmp_path, 1)
     caplog.set_level("INFO", logger="rayzero.learner.learner")
     for _ in range(30):
         batch = replay.sample(8)

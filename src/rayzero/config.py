@@ -317,7 +317,8 @@ class LearnerConfig:
     """With background_compile and the loss compiled whole (compile_regions false): helpers also compile the loss
     as regions, which compile in about half the time; the learner trains on the regions' step once those are
     done, and moves to the whole loss's faster step when its helper is (compiled here from the warm cache, and
-    checked against eager as any compiled step). If the whole loss fails there, the regions' step goes on."""
+    checked against eager as any compiled step). Where the whole loss's helper is done by then too (a warm
+    cache), the learner compiles the whole loss at once. If the whole loss fails, the regions' step goes on."""
     background_compile: bool = False
     """Fill the compile cache in a helper process, from the first batch, while the first updates run eagerly;
     once it is done the learner compiles from the warm cache (seconds, not the minutes of a cold compile) and

@@ -403,10 +403,17 @@ class Learner:
             done = f"compiled the step in {time.perf_counter() - self._background_started:.0f} s"
         self.background_compile_s = time.perf_counter() - self._background_started
         failed = [code for code in codes if code != 0]
-        if not failed:
-            log.info(f"the helpers {done}; compiling it here from the warm cache")
-        else:
+        if failed:
             log.warning(f"a helper process failed to compile the step (exit code {failed[0]}); compiling it here")
+        elif self._whole_waiting and self._whole_code() == 0:
+            # The whole loss's helper is done too (a warm cache): compile the whole loss at once, not the regions'
+            # step and its checked updates first; the regions' step is what a failed check goes back to.
+            self._whole_waiting, self._regions = False, False
+            self._regions_fallback, self._modes = self._modes[0], self._modes[:1]
+            log.info(f"the helpers {done}, and the whole loss's helper is done too: compiling the whole loss here "
+                     "from the warm cache (its regions' step kept to fall back on)")
+        else:
+            log.info(f"the helpers {done}; compiling it here from the warm cache")
         self._background = False
         self._cache_counts = _compile_cache_counts()
         self._next_compile_mode()
@@ -418,13 +425,7 @@ class Learner:
         """learner.regions_first, once the regions' step is compiled and checked (or has failed): when the whole
         loss's helper is done, compile the whole loss here from the cache it filled (its first updates watched and
         checked as any compiled step's), the regions' step kept to fall back on."""
-        if self._prewarm is not None:
-            code = self._prewarm.code("step")
-        else:
-            helper = self._background_helpers[self._helper_parts.index("step")]
-            code = helper.poll()
-            if code is not None:
-                background.clean_up(helper)
+        code = self._whole_code()
         if code is None:
             return
         self._whole_waiting = False
@@ -437,6 +438,16 @@ class Learner:
         self._regions, self._regions_fallback, self._modes = False, mode if regions_on else None, [mode]
         self._cache_counts = _compile_cache_counts()
         self._next_compile_mode()
+
+    def _whole_code(self) -> int | None:
+        """The whole loss's helper's exit code once it has ended, else None."""
+        if self._prewarm is not None:
+            return self._prewarm.code("step")
+        helper = self._background_helpers[self._helper_parts.index("step")]
+        code = helper.poll()
+        if code is not None:
+            background.clean_up(helper)
+        return code
 
     def close_background_compile(self) -> None:
         """Stop helper processes still compiling (the learner is going away); training stays eager until the
