@@ -79,6 +79,15 @@ def main() -> None:
         if wall > 0 and inside > 0:
             print(f"  learner over the last {wall:.0f} s: {steps / wall:.1f} updates/s, {inside / wall:.0%} of the time "
                   f"in its calls at {steps / inside:.1f} updates/s")
+    gaps = [r for r in rows if "between_calls_s" in r and r.get("call_s")]
+    if gaps:  # the last call of each row: the learner's time between train calls, and its weights() in it
+        window = [r for r in gaps if r["wall_seconds"] >= gaps[-1]["wall_seconds"] - 200]
+        between = sum(r["between_calls_s"] for r in window) / len(window)
+        weights = sum(r.get("weights_s", 0.0) for r in window) / len(window)
+        call = sum(r["call_s"] for r in window) / len(window)
+        print(f"  between train calls (the last of each row, {len(window)} rows): {1e3 * between:.1f} ms after a "
+              f"{1e3 * call:.0f} ms call ({between / (between + call):.0%} of the learner's time), weights() "
+              f"{1e3 * weights:.1f} ms of it")
     waited = [r for r in rows if "learner_wait_share" in r]
     if len(waited) > 1:  # which side of the replay ratio waited on the other (the one that waits less is the bound)
         window = [(a, b) for a, b in zip(waited, waited[1:]) if b["wall_seconds"] >= waited[-1]["wall_seconds"] - 200]

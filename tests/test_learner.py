@@ -1634,3 +1634,20 @@ def test_a_recurrent_steps_scalars_decode_its_own_logits(kind, obs_shape, extra)
     # differ by far more.
     torch.testing.assert_close(one.value, out.value[2:3], rtol=5e-4, atol=1e-5)
     torch.testing.assert_close(one.reward, out.reward[2:3], rtol=5e-4, atol=1e-5)
+
+
+def test_a_train_result_says_how_long_the_learner_spent_between_train_calls_and_in_weights(monkeypatch):
+    """Each train call after the first reports the gap since the last one ended (`between_calls_s`) and the part of
+    it spent making published weights (`weights_s`): what the learner's share of time outside its calls is made of
+    in a run (scripts/lab_row.py). Known answers: a 0.2 s pause with one `weights` call in it."""
+    learner = Learner(MODEL, LearnerConfig(device="cpu"), (4,), 2, seed=0)
+    monkeypatch.setattr(learner, "_train", lambda replay, num_steps: {"call_s": 0.01})
+    first = learner.train(None, 1)
+    assert "between_calls_s" not in first and "weights_s" not in first
+    time.sleep(0.2)
+    learner.weights()
+    second = learner.train(None, 1)
+    assert 0.2 <= second["between_calls_s"] < 2.0
+    assert 0.0 < second["weights_s"] < second["between_calls_s"] - 0.19
+    third = learner.train(None, 1)  # no weights() since the last call
+    assert third["weights_s"] == 0.0 and third["between_calls_s"] < second["between_calls_s"]

@@ -242,6 +242,8 @@ class Learner:
         self._outbox: PriorityOutbox | None = None
         self._calls = 0
         self._published: tuple[int, int, StateDict] | None = None  # (version, steps, weights) of `weights`
+        self._train_ended: float | None = None  # perf_counter() when the last train call ended
+        self._weights_s = 0.0  # seconds in `weights` since then
         self._prewarm: background.PrewarmWatch | None = None
         if self._background and cfg.prewarm_dir:
             self._prewarm = background.PrewarmWatch(cfg.prewarm_dir)  # learner.early_compile: the driver's helpers
@@ -788,9 +790,17 @@ class Learner:
         Batches come `learner.prefetch` ahead from a background thread (kept between calls); priorities go back
         without waiting for the device. The device is synced once, at the end.
         """
+        began = time.perf_counter()
         with self._gc_control() as gc_stats:
             result = self._train(replay, num_steps)
         result.update(gc_stats)
+        if self._train_ended is not None:
+            # Where the learner's time outside its train calls goes: the gap since the last one ended (no call
+            # queued, the call's way through Ray, or the learner's other calls), and `weights` within it.
+            result["between_calls_s"] = began - self._train_ended
+            result["weights_s"] = self._weights_s
+        self._weights_s = 0.0
+        self._train_ended = time.perf_counter()
         return result
 
     def _train(self, replay: Any, num_steps: int) -> dict[str, Any]:
@@ -871,8 +881,10 @@ class Learner:
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, CPU state_dict) to publish to self-play and inference: a `StateDict`, copied from the device
         once per version and sent through Ray as numpy buffers."""
+        began = time.perf_counter()
         if self._published is None or self._published[:2] != (self.version, self.steps):
             self._published = (self.version, self.steps, snapshot(self.model.state_dict()))
+        self._weights_s += time.perf_counter() - began
         return self.version, self._published[2]
 
     def set_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
