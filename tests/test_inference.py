@@ -982,11 +982,13 @@ def test_selfplay_in_halves_through_ray(whole_search, groups):
         # phases fit inside the steps (the pipelined mode's first submit of each half is before the first step).
         phases = result["phase_seconds"]
         steps = {"search", "env", "record", "submit"}
-        assert set(phases) == steps | {"queued", "device"} and phases["search"] > 0 and phases["env"] > 0
+        assert set(phases) == steps | {"queued", "device", "server"} and phases["search"] > 0 and phases["env"] > 0
         assert (phases["submit"] > 0) == whole_search
         assert sum(phases[name] for name in steps) <= sum(result["step_seconds"]) * 1.01
-        # A whole search's answer says how long it queued and ran (a CPU search's waves do not).
-        assert (phases["device"] > 0) == whole_search
+        # A whole search's answer says how long it queued and ran, and how long the inference actor held it (a CPU
+        # search's waves do not); what it held it for includes its queueing and its running.
+        assert (phases["device"] > 0) == whole_search and (phases["server"] > 0) == whole_search
+        assert phases["server"] >= 0.99 * (phases["queued"] + phases["device"])
         batch = replay.sample(8)
         np.testing.assert_allclose(batch.target_policies[:, 0].sum(-1), 1.0, rtol=1e-5)
         # CartPole observations follow from each other: within a stored segment, no step is lost or repeated.

@@ -271,6 +271,7 @@ def test_an_evaluations_greedy_search_goes_through_the_channel_and_searches_with
         np.testing.assert_allclose(answer["action_weights"], direct["action_weights"], rtol=1e-6)
         np.testing.assert_array_equal(answer["action"], answer["action_weights"].argmax(1))
         assert answer["version"] == 1 and answer["queue_ms"] >= 0 and answer["device_ms"] > 0
+        assert answer["server_ms"] >= answer["queue_ms"] + answer["device_ms"]  # submitted to answered
     noisy = [network.search(obs, 0.0)["action_weights"] for _ in range(3)]  # the server's noise: rows change
     assert any(not np.allclose(w, direct["action_weights"]) for w in noisy)
     # A channel the actor dropped is opened anew by the next search, not left to Ray calls for the rest of the run.

@@ -735,13 +735,10 @@ def test_regions_first_trains_on_the_regions_step_then_moves_to_the_whole_loss_w
         assert torch.equal(a, b)
 
 
-def test_regions_first_compiles_the_whole_loss_at_once_when_its_helper_is_done_by_then(
-        caplog, prewarmed, tmp_path, monkeypatch):
-    """learner.regions_first with every helper done by the first update (a warm cache): the learner compiles the
-    whole loss at once, not the regions' step and its checked updates first, and keeps the regions' step to fall
-    back on. Shown with a whole loss whose loss is three times eager's: the check catches it at its first update,
-    and the learner goes on with the regions' compiled step, every update still eager's."""
-    from rayzero.learner.loss import CompiledRegions, MuZeroLoss
+def _make_the_whole_loss_wrong(monkeypatch):
+    """Learners compile the whole loss with three times eager's loss (their regions as compiled); returns the list
+    that gets the learner's update count at each whole-loss compile."""
+    from rayzero.learner.loss import MuZeroLoss
 
     real = Learner._compiler
     compiled_whole = []
@@ -762,17 +759,20 @@ def test_regions_first_compiles_the_whole_loss_at_once_when_its_helper_is_done_b
         return compile_one
 
     monkeypatch.setattr(Learner, "_compiler", compiler)
-    reference, learner, replay, _ = _prewarmed_learner(prewarmed, tmp_path, 0)
-    caplog.set_level("INFO", logger="rayzero.learner.learner")
-    kinds = _train_regions_first(reference, learner, replay,
-                                 lambda kind: "training on its regions' step" in caplog.text, timeout_s=60)
-    assert compiled_whole == [0], compiled_whole  # the whole loss, compiled before the first update
-    assert kinds == ["regions"], kinds  # its first update was caught, so none ended on it
-    lines = caplog.text.splitlines()
-    said = [next((i for i, line in enumerate(lines) if text in line), None) for text in (
-        "the whole loss's helper is done too", "computed a gradient norm", "going back to the regions' step",
-        "training on its regions' step")]
-    assert None not in said and said == sorted(said), caplog.text
+    return compiled_whole
+
+
+def _said_in_order(log: str, *texts: str) -> None:
+    """Each of `texts` is in a line of `log`, the first line of each in the order given."""
+    lines = log.splitlines()
+    said = [next((i for i, line in enumerate(lines) if text in line), None) for text in texts]
+    assert None not in said and said == sorted(said), log
+
+
+def _goes_on_with_the_regions_step(reference, learner, replay):
+    """The learner trains on, on the regions' compiled step, every update eager's, and its weights are eager's."""
+    from rayzero.learner.loss import CompiledRegions
+
     for _ in range(3):
         batch = replay.sample(8)
         assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
@@ -781,31 +781,31 @@ def test_regions_first_compiles_the_whole_loss_at_once_when_its_helper_is_done_b
         assert torch.equal(a, b)
 
 
+def test_regions_first_compiles_the_whole_loss_at_once_when_its_helper_is_done_by_then(
+        caplog, prewarmed, tmp_path, monkeypatch):
+    """learner.regions_first with every helper done by the first update (a warm cache): the learner compiles the
+    whole loss at once, not the regions' step and its checked updates first, and keeps the regions' step to fall
+    back on. Shown with a whole loss whose loss is three times eager's: the check catches it at its first update,
+    and the learner goes on with the regions' compiled step, every update still eager's."""
+    compiled_whole = _make_the_whole_loss_wrong(monkeypatch)
+    reference, learner, replay, _ = _prewarmed_learner(prewarmed, tmp_path, 0)
+    caplog.set_level("INFO", logger="rayzero.learner.learner")
+    kinds = _train_regions_first(reference, learner, replay,
+                                 lambda kind: "training on its regions' step" in caplog.text, timeout_s=60)
+    assert compiled_whole == [0], compiled_whole  # the whole loss, compiled before the first update
+    assert kinds == ["regions"], kinds  # its first update was caught, so none ended on it
+    _said_in_order(caplog.text, "the whole loss's helper is done too", "computed a gradient norm",
+                   "going back to the regions' step", "training on its regions' step")
+    _goes_on_with_the_regions_step(reference, learner, replay)
+
+
 def test_regions_first_goes_back_to_the_regions_step_when_the_whole_loss_is_off_eager(caplog, monkeypatch):
     """learner.regions_first, where the whole loss's compiled step computes wrong gradients (Pong run 26a seed 1's
     did, on an H100: a gradient norm of 4.3 where eager's was 0.88, and without regions_first it trained eagerly
     at half the rate): the compile check catches it, and the learner goes on with the regions' compiled step, not
     eager, every update still eager's. The fault is injected as a whole-loss compile whose loss is three times
     eager's."""
-    from rayzero.learner.loss import CompiledRegions, MuZeroLoss
-
-    real = Learner._compiler
-
-    def compiler(self, mode):
-        compile = real(self, mode)
-
-        def compile_one(fn, **kwargs):
-            compiled = compile(fn, **kwargs)
-            if not isinstance(fn, MuZeroLoss):  # a region: as compiled
-                return compiled
-
-            def wrong(tensors):
-                loss, stats, priorities = compiled(tensors)
-                return 3 * loss, stats, priorities
-            return wrong
-        return compile_one
-
-    monkeypatch.setattr(Learner, "_compiler", compiler)
+    _make_the_whole_loss_wrong(monkeypatch)
     model, base, replay = _consistency_learners()
     reference = Learner(model, LearnerConfig(**base), (3, 16, 16), 3, seed=0)
     cfg = LearnerConfig(**base, compile=True, compile_backend="aot_eager", background_compile=True,
@@ -816,17 +816,9 @@ def test_regions_first_goes_back_to_the_regions_step_when_the_whole_loss_is_off_
                                  lambda kind: "training on its regions' step" in caplog.text)
     # The whole loss's step is caught at its first update, so no update ends on it.
     assert kinds in (["eager", "regions"], ["regions"]), kinds
-    lines = caplog.text.splitlines()
-    said = [next((i for i, line in enumerate(lines) if text in line), None) for text in (
-        "the whole loss's helper is done", "computed a gradient norm", "going back to the regions' step",
-        "training on its regions' step")]
-    assert None not in said and said == sorted(said), caplog.text
-    for _ in range(3):  # and it goes on there, compiled
-        batch = replay.sample(8)
-        assert learner.step(batch)[0]["loss"] == reference.step(batch)[0]["loss"]
-    assert isinstance(learner._switch.compiled, CompiledRegions) and learner.compile_state.startswith("on")
-    for a, b in zip(learner.model.state_dict().values(), reference.model.state_dict().values()):
-        assert torch.equal(a, b)
+    _said_in_order(caplog.text, "the whole loss's helper is done", "computed a gradient norm",
+                   "going back to the regions' step", "training on its regions' step")
+    _goes_on_with_the_regions_step(reference, learner, replay)
 
 
 def test_regions_first_keeps_the_regions_step_when_the_whole_loss_helper_failed(caplog, prewarmed, tmp_path):

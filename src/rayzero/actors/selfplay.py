@@ -40,10 +40,12 @@ from rayzero.tree import SearchConfig
 PHASES = ("search", "env", "record", "submit")
 """Where a collect's time goes: the search (waiting for a whole search's answer, or walking the trees here),
 stepping the envs, recording steps and cutting segments, sending the next whole search (GPU search)."""
-SEARCH_PARTS = ("queued", "device")
-"""Of the whole searches waited for: the time their requests queued in the inference actor before launch, and
-their batches' device time, as the answers report them. With one env (no halves) the rest of the search phase is
-transport and host work; with halves a search also runs while the other half steps, so these may exceed it."""
+SEARCH_PARTS = ("queued", "device", "server")
+"""Of the whole searches waited for: the time their requests queued in the inference actor before launch, their
+batches' device time, and the time from their submission in the inference actor to their answers being ready
+(queued, launch, device and finish), as the answers report them. With one env (no halves) the search phase less
+`server` is the way there and back (channels, the actor's event loop); with halves a search also runs while the
+other half steps, so these may exceed it."""
 
 
 class SelfPlayWorker:
@@ -204,6 +206,7 @@ class SelfPlayWorker:
     def _search_parts(self, answer: dict[str, Any]) -> None:
         self._phases["queued"] += answer.get("queue_ms", 0.0) / 1e3
         self._phases["device"] += answer.get("device_ms", 0.0) / 1e3
+        self._phases["server"] += answer.get("server_ms", 0.0) / 1e3
 
     def _step_threaded(self, temperature: float) -> list[Segment]:
         """Both halves search at once (the second in the pool's thread), each through its own network, then

@@ -358,8 +358,8 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
         t = row[name]
         print(f"  {name:12s} " + "  ".join(f"{phase} {t.get(phase + '_share', 0):4.0%} "
                                            f"({t.get(phase + '_ms_per_half_step', 0):.2f} ms)" for phase in PHASES)
-              + "  (search: queued " + "  device ".join(f"{t.get(part + '_ms_per_half_step', 0):.2f}"
-                                                          for part in SEARCH_PARTS) + " ms)", flush=True)
+              + "  (search: " + "  ".join(f"{part} {t.get(part + '_ms_per_half_step', 0):.2f}"
+                                          for part in SEARCH_PARTS) + " ms)", flush=True)
     return row
 
 

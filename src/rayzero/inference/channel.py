@@ -36,8 +36,8 @@ import numpy as np
 from rayzero import shm
 from rayzero.inference.errors import InferenceError, InferenceOverloaded
 
-HEADER = 10
-REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED, QUEUE_US, DEVICE_US = range(HEADER)
+HEADER = 11
+REQ, DONE, KIND, ROWS, STORE, STATUS, VERSION, CLOSED, QUEUE_US, DEVICE_US, SERVER_US = range(HEADER)
 INITIAL, RECURRENT, SEARCH = 1, 2, 3
 TEMPERATURE_SCALE = 1_000_000  # a search's temperature travels as an integer number of millionths
 GREEDY = -1  # the store slot of a greedy whole search (evaluation: temperature 0, no root noise)
@@ -140,6 +140,7 @@ class ServerChannel:
             out[:n, 2:] = answer["action_weights"]
             self.header[QUEUE_US] = int(1e3 * answer.get("queue_ms", 0.0))
             self.header[DEVICE_US] = int(1e3 * answer.get("device_ms", 0.0))
+            self.header[SERVER_US] = int(1e3 * answer.get("server_ms", 0.0))
         else:
             n = len(answer["value"])
             out[:n, 0] = answer["value"]
@@ -414,7 +415,8 @@ class InferenceClient:
         h = a["header"]
         return {"action": out[:rows, 1].astype(np.int64), "action_weights": out[:rows, 2:].copy(),
                 "root_value": out[:rows, 0].copy(), "version": int(h[VERSION]),
-                "queue_ms": int(h[QUEUE_US]) / 1e3, "device_ms": int(h[DEVICE_US]) / 1e3}
+                "queue_ms": int(h[QUEUE_US]) / 1e3, "device_ms": int(h[DEVICE_US]) / 1e3,
+                "server_ms": int(h[SERVER_US]) / 1e3}
 
     def _send(self, kind: int, rows: int, store: int) -> int:
         h = self.arrays["header"]

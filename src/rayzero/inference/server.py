@@ -1070,6 +1070,7 @@ class InferenceServer:
             # Where a caller's wait went (evaluation reports it): queued before launch, and the batch's device time.
             answer["queue_ms"] = 1e3 * (batch.launched - request.submitted)
             answer["device_ms"] = 1e3 * batch.flight.gpu_s if batch.flight is not None else 0.0
+            answer["server_ms"] = 1e3 * (time.perf_counter() - request.submitted)  # submitted to answered
             batch.results[i] = answer
 
     def _record(self, batch: _Batch) -> None:
