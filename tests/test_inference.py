@@ -784,6 +784,34 @@ def test_emulated_cuda_path_matches_direct_calls(emulated_cuda, network_graphs):
     assert after["version"] == 2
 
 
+def test_emulated_cuda_a_batch_launched_with_nothing_queued_is_finished_by_the_call_that_launched_it(
+        emulated_cuda, monkeypatch):
+    """The GPU thread's step: with nothing else queued on the event loop, the batch it launches is waited for and
+    answered in the same call (the batcher would wait for it next anyway), so one client's answers skip two
+    thread hops; with rows queued it stays in flight while the next batch is launched behind it. Either way every
+    request gets its answer."""
+    cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False)
+    srv = InferenceServer(MODEL, cfg, (4,), 3, discount=0.99)
+    assert srv.runner.cuda
+    steps = []
+    real_step = srv._step
+
+    def step(key, requests, unfinished):
+        launched, done = real_step(key, requests, unfinished)
+        steps.append((launched, [batch for batch, _ in done], len(unfinished)))
+        return launched, done
+
+    monkeypatch.setattr(srv, "_step", step)
+    obs = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    alone = asyncio.run(srv.initial("a", obs))
+    assert len(steps) == 1 and steps[0][0] is None and len(steps[0][1]) == 1 and steps[0][2] == 0, steps
+    steps.clear()
+    monkeypatch.setattr(srv, "_loop_queued_rows", lambda: 1)  # as if another client's rows were queued
+    behind = asyncio.run(srv.initial("a", obs))
+    assert len(steps) == 1 and steps[0][0] is not None and steps[0][1] == [] and steps[0][2] == 1, steps
+    np.testing.assert_allclose(behind["value"], alone["value"], rtol=1e-6)
+
+
 def test_emulated_cuda_whole_searches_stop_at_a_smaller_bucket_where_it_moves_more_rows_per_device_second(
         emulated_cuda):
     """inference.bucket_cut: with a batch on the device, 9 queued rows (4 + 4 + 1) take only the 8 that fill

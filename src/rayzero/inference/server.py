@@ -826,7 +826,8 @@ class InferenceServer:
             await self._fill(key, float("inf") if not unfinished else fill_until)
             requests = self._take(key, busy=bool(unfinished))
             launched, done = await loop.run_in_executor(self.gpu, self._step, key, requests, unfinished)
-            # The oldest batches are done, so at most one per lane is left running (none on the CPU).
+            # The oldest batches are done, so at most one per lane is left running (none on the CPU, or where
+            # nothing else was queued).
             fill_until = (time.perf_counter() + 0.75 * self._expected_gpu_s(launched) / len(self.lanes)
                           if launched is not None else 0.0)
             for batch, results in done:
@@ -836,16 +837,20 @@ class InferenceServer:
               ) -> tuple[_Batch | None, list[tuple[_Batch, list]]]:
         """GPU thread: launch the new batch behind the ones in flight, then wait for and unpack the oldest until
         at most one per lane is left (with one lane: the batch that was running); returns the batch launched
-        (None on the CPU) and the finished (batch, results). `unfinished` is the batcher's, which awaits this
-        call. On the CPU a launch computes the batch, so it is finished at once (its answers would otherwise wait
-        for the next batch's compute)."""
+        (None when none is left in flight) and the finished (batch, results). `unfinished` is the batcher's,
+        which awaits this call. On the CPU a launch computes the batch, so it is finished at once (its answers
+        would otherwise wait for the next batch's compute). With nothing queued on the event loop every batch is
+        finished here too: the batcher would wait for them next, having nothing to launch, and this saves its
+        answers the two thread hops back to the loop and into this thread again (one env's whole search pays
+        them on every step)."""
         launched = self._launch(key, requests)
         unfinished.append(launched)
         done = []
-        while len(unfinished) > (len(self.lanes) if self.runner.cuda else 0):
+        pipelined = self.runner.cuda and self._loop_queued_rows() > 0
+        while len(unfinished) > (len(self.lanes) if pipelined else 0):
             oldest = unfinished.popleft()
             done.append((oldest, self._finish(oldest)))
-        return (launched if self.runner.cuda else None), done
+        return (launched if unfinished else None), done
 
     def _pick_lane(self) -> int:
         """The lane for the next whole search: the one with the fewest batches in flight, of those the one whose
