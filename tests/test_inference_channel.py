@@ -11,7 +11,7 @@ import ray
 
 from rayzero.config import InferenceConfig, ModelConfig
 from rayzero.inference import InferenceError, InferenceServer
-from rayzero.inference.channel import InferenceClient
+from rayzero.inference.channel import SEARCH, TEMPERATURE_SCALE, InferenceClient
 
 MODEL = ModelConfig(kind="mlp", latent_dim=8, hidden=16, support_size=5)
 
@@ -244,6 +244,17 @@ def test_whole_searches_through_the_channel_equal_ray_calls_and_two_can_be_in_fl
     np.testing.assert_array_equal(answer["action"], answer["action_weights"].argmax(1))
     with pytest.raises(InferenceError, match="no search in flight"):
         first.wait_search()
+    # The GPU thread wrote these answers into their channels: none went back through the event loop.
+    assert ray.get(server.stats.remote())["channel_answers"] == {"event_loop": 0, "gpu_thread": 2}
+    # A request past InferenceClient's own checks (a negative temperature in the channel's header) fails alone,
+    # with what was wrong, and the channel serves the next one.
+    first.arrays["obs"][:len(obs)] = obs
+    first._inflight = (first._send(SEARCH, len(obs), -TEMPERATURE_SCALE), obs, -1.0, False)
+    with pytest.raises(InferenceError, match="bad search config override.*temperature"):
+        first.wait_search()
+    first.submit_search(obs, 0.0)
+    np.testing.assert_array_equal(first.wait_search()["action"], direct["action"])
+    assert ray.get(server.stats.remote())["channel_answers"] == {"event_loop": 1, "gpu_thread": 3}
     ray.kill(server)
 
 
@@ -306,11 +317,11 @@ def test_a_failed_whole_search_is_sent_again_and_one_that_keeps_failing_raises(a
             super().__init__(*args, **kwargs)
             self.failures = failures
 
-        async def search(self, client, obs, invalid_actions=None, **overrides):
+        def _launch_search(self, batch):
             if self.failures > 0:
                 self.failures -= 1
-                raise InferenceError("search: AcceleratorError: CUDA error: operation failed during capture")
-            return await super().search(client, obs, invalid_actions, **overrides)
+                raise RuntimeError("CUDA error: operation failed during capture")
+            return super()._launch_search(batch)
 
     cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
     server = ray.remote(FailingSearches).options(max_concurrency=100).remote(

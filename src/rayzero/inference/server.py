@@ -15,7 +15,9 @@ can send another before its answer) the poller, or the GPU thread as it ends a w
 the GPU thread, at most WAVE_BATCHES unfinished at a time (one running, one waiting). The job takes up to
 max_batch rows from the queue, runs them as one recurrent batch (slot checks, a bad request fails alone) and
 writes every answer into its channel: no coroutine, task or future per request, no hop to the event loop.
-Channel initial and whole-search requests, and every Ray call, go through the event loop's batcher.
+Channel whole-search requests go onto the event loop batcher's queues as such `_Request`s too (checked there,
+no coroutine), and the GPU thread writes their answers into their channels when their batch is done. Channel
+initial requests and every Ray call go through the batcher as coroutines, answered through futures.
 """
 
 from __future__ import annotations
@@ -271,6 +273,15 @@ class InferenceServer:
         combination captures its CUDA graphs on first use. Returns action [B] int64, action_weights [B, A],
         visit_counts [B, A] int64, root_value [B], version.
         """
+        prepared = self._search_request(client, obs, invalid_actions, overrides)
+        if isinstance(prepared, dict):
+            return prepared
+        return await self._submit(*prepared)
+
+    def _search_request(self, client: str, obs: np.ndarray, invalid_actions: np.ndarray | None,
+                        overrides: dict[str, Any]) -> tuple[Any, str, Any, int] | dict[str, np.ndarray]:
+        """A search request checked: its (queue key, client, payload, rows), or the answer of one with no roots.
+        Raises InferenceError (counted) for bad input."""
         self._checked(self._check_client, "search", client)
         obs = self._checked(self._check_obs, "search", obs)
         mask = self._checked(self._check_mask, invalid_actions, len(obs))
@@ -294,12 +305,12 @@ class InferenceServer:
                 raise InferenceError(f"search: the evaluation network only searches greedily "
                                      f"({channels.GREEDY_OVERRIDES}); got overrides {overrides}")
             config = self.eval_search_cfg  # with the evaluation's simulations (a channel request names none)
-            return await self._submit(("search", config, "pinned"), client, (obs, mask), len(obs))
+            return ("search", config, "pinned"), client, (obs, mask), len(obs)
         merged = merged_search(config, self.search_cfg) if self.cfg.merge_searches else None
         if merged is not None:  # one batch for every request of the same search shape, each row its settings
             shape, settings = merged
-            return await self._submit(("search", shape, "rows"), client, (obs, mask, settings), len(obs))
-        return await self._submit(("search", config), client, (obs, mask), len(obs))
+            return ("search", shape, "rows"), client, (obs, mask, settings), len(obs)
+        return ("search", config), client, (obs, mask), len(obs)
 
     async def open_channel(self, client: str, max_rows: int, obs_rows: int = 0,
                            node_id: str | None = None, pid: int | None = None) -> dict[str, Any] | None:
@@ -431,9 +442,9 @@ class InferenceServer:
         elif kind == channels.INITIAL and payload is not None:
             coro = self.initial(channel.client, payload)
         elif kind == channels.SEARCH and payload is not None:
-            obs, temperature, greedy = payload
-            overrides = channels.GREEDY_OVERRIDES if greedy else {"temperature": temperature}
-            coro = self.search(channel.client, obs, **overrides)
+            self._channel_handed += 1
+            self._queue_channel_search(channel, seq, *payload)
+            return
         else:
             self.errors += 1
             channel.fail(seq, InferenceError(f"channel: unknown request kind {kind} (or no obs buffer)"))
@@ -450,6 +461,24 @@ class InferenceServer:
                 channel.reply(seq, task.result())
 
         self._channel_loop.create_task(coro).add_done_callback(answer)
+
+    def _queue_channel_search(self, channel: channels.ServerChannel, seq: int, obs: np.ndarray, temperature: float,
+                              greedy: bool) -> None:
+        """Event loop: a channel's search request straight onto the batcher's queue, answered into its channel by
+        the GPU thread (`_answer_channels`) as soon as the batch is done: no coroutine, and no hop back through
+        the event loop before the answer (one env's search pays each hop on every step)."""
+        overrides = channels.GREEDY_OVERRIDES if greedy else {"temperature": temperature}
+        try:
+            prepared = self._search_request(channel.client, obs, None, overrides)
+            if isinstance(prepared, dict):
+                self._channel_answered_loop += 1
+                channel.reply(seq, prepared)
+                return
+            key, client, payload, rows = prepared
+            self._enqueue(_Request(key, client, payload, rows, None, time.perf_counter(), channel, seq))
+        except InferenceError as error:  # bad input (counted where raised) or overloaded: this one fails alone
+            self._channel_answered_loop += 1
+            channel.fail(seq, error)
 
     # -- the wave queue (poller thread -> GPU thread) --------------------------------------------------------
 
@@ -597,6 +626,7 @@ class InferenceServer:
                 "reclaimed_clients": self.pool.reclaimed_clients, "device": str(self.device),
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
                 "gone_clients": self.gone_clients,
+                "channel_answers": {"event_loop": self._channel_answered_loop, "gpu_thread": self._channel_answered_gpu},
                 "cuda_graphs": len(self.runner.graphs), "search_graphs": len(self.runner.searches),
                 "lane_batches": list(self.lane_batches),
                 "capture_s": self.runner.capture_s + (self.eval_runner.capture_s if self.eval_runner else 0.0),
@@ -702,23 +732,26 @@ class InferenceServer:
                                    f"inference.max_queue={self.max_queue} rows; retry later")
 
     async def _submit(self, key: Any, client: str, payload: Any, rows: int) -> dict[str, np.ndarray]:
-        loop = self._ensure_batcher()
-        queued = self._loop_queued_rows() + self._wave_rows
-        if queued and queued + rows > self.max_queue:
-            self.overloaded += 1
-            raise self._overloaded(queued, rows)
-        self.peak_queued_rows = max(self.peak_queued_rows, queued + rows)
-        future = loop.create_future()
-        self._queues.setdefault(key, collections.deque()).append(
-            _Request(key, client, payload, rows, future, time.perf_counter()))
-        self._queued_rows[key] += rows
-        self.requests += 1
-        self._wake.set()
+        future = self._ensure_batcher().create_future()
+        self._enqueue(_Request(key, client, payload, rows, future, time.perf_counter()))
         try:
             return await future
         except InferenceError:
             self.errors += 1
             raise
+
+    def _enqueue(self, request: _Request) -> None:
+        """Event loop: `request` onto its key's queue for the batcher, or InferenceOverloaded (backpressure)."""
+        self._ensure_batcher()
+        queued = self._loop_queued_rows() + self._wave_rows
+        if queued and queued + request.rows > self.max_queue:
+            self.overloaded += 1
+            raise self._overloaded(queued, request.rows)
+        self.peak_queued_rows = max(self.peak_queued_rows, queued + request.rows)
+        self._queues.setdefault(request.key, collections.deque()).append(request)
+        self._queued_rows[request.key] += request.rows
+        self.requests += 1
+        self._wake.set()
 
     def _oldest_key(self) -> Any:
         heads = [(q[0].submitted, i, k) for i, (k, q) in enumerate(self._queues.items()) if q]
