@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="selfplay: timed seconds per row (default 30, --quick 3)")
     bench.add_argument("--rows", default=None,
                        help="selfplay on a GPU host: comma-separated rows to run (preset, envs16, envs128, sims200, cpu, cpu128, cpu256, "
-                            "cut, lanes2, lanes3; default: preset, envs16, sims200, cpu)")
+                            "cut, lanes2, lanes3, threads3, threads4, ...; default: preset, envs16, sims200, cpu)")
     bench.add_argument("overrides", nargs="*",
                        help="selfplay: section.field=value applied to every row (e.g. env.num_threads=2)")
     bench.add_argument("--kill-every", type=float, default=None,

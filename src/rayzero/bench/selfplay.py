@@ -24,6 +24,7 @@ bare vector env.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -319,7 +320,10 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     finally:
         ray.kill(alone)
     ceiling_cpu0, ceiling_procs0, ceiling_t0 = _cpu_times(), _process_cpu(), time.monotonic()
-    ceiling, ceiling_pids = _env_ceiling(cfg.env, p.selfplay.count, p.selfplay.cpus, seconds)
+    # The ceiling's envs step on the vector env's own threads (env.num_threads=0: one per CPU, the fastest for
+    # envs alone), whatever a row sets for self-play's: a row's fewer threads must not lower its own ceiling.
+    ceiling, ceiling_pids = _env_ceiling(dataclasses.replace(cfg.env, num_threads=0), p.selfplay.count,
+                                         p.selfplay.cpus, seconds)
     ceiling_cpu = _cpu_busy(ceiling_cpu0, _cpu_times())
     ceiling_roles = _cpu_by_role(ceiling_procs0, _process_cpu(), time.monotonic() - ceiling_t0,
                                  {pid: "step_randomly" for pid in ceiling_pids})
@@ -374,7 +378,8 @@ GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [
             "lanes3_128": [*_HOST, "inference.search_lanes=3", "env.num_envs=128"],
             "vl2": [*_HOST, "search.virtual_loss=2"], "vl4": [*_HOST, "search.virtual_loss=4"],
             "vl8": [*_HOST, "search.virtual_loss=8"], "groups3": [*_HOST, "env.search_groups=3"],
-            "poll100": [*_HOST, "inference.poll_interval_us=100"]}
+            "poll100": [*_HOST, "inference.poll_interval_us=100"],
+            "threads3": [*_HOST, "env.num_threads=3"], "threads4": [*_HOST, "env.num_threads=4"]}
 """The rows on a GPU host: the plan's envs per actor (cluster/plan.py, `selfplay_envs`: 128 where whole searches
 run on the GPU), then 16 (searches of a quarter the roots) or 128, 200 simulations, and the trees walked on the
 CPU with 64 envs per actor (the preset's) and with 128 (a CPU search's simulation waves wait on the round trip to
@@ -382,8 +387,9 @@ the inference actor, so twice the rows per wave may come near twice the env step
 out) or 256 (the same again, where 128 left the GPU mostly idle in the fifteenth session), whole searches cut at
 a smaller bucket where that moves more rows per device second (inference.bucket_cut=true), 2 or 3 search lanes
 (whole searches in flight at once on their own streams), virtual loss 2, 4 or 8 (K walks per tree per network
-call: a K times shorter chain of calls), and the envs in three groups rather than two halves (each search has
-two groups' steps to come back in). Every row sizes self-play from the host (as many actors, and as many envs
+call: a K times shorter chain of calls), the envs in three groups rather than two halves (each search has
+two groups' steps to come back in), and 3 or 4 native threads per vector env instead of the plan's (the
+cluster's CPUs over its actors: 2 for 12 actors on 16 cores), where the actors' time goes to the env step. Every row sizes self-play from the host (as many actors, and as many envs
 per actor, as the plan gives): the preset pins one actor of 64 envs, which is what its learner needs at its
 replay ratio, while this bench measures what self-play on the host can do."""
 
