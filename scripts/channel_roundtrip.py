@@ -22,7 +22,7 @@ server = ray.remote(InferenceServer).options(max_concurrency=100).remote(
 client = InferenceClient(server, "one", max_rows=1, obs_rows=1)
 obs = np.random.default_rng(0).normal(size=(1, 4)).astype(np.float32)
 rows = []
-for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 1000 + 50):
+for i in range((int(sys.argv[1]) if len(sys.argv) > 1 else 1000) + 50):
     t0 = time.perf_counter()
     client.submit_search(obs, 1.0)
     a = client.wait_search()
