@@ -435,7 +435,8 @@ class InferenceServer:
             self._serve_channel(channel, seq)
 
     def _serve_channel(self, channel: channels.ServerChannel, seq: int) -> None:
-        """Event loop: a channel's initial, search (or, unvalidated, recurrent) request through its coroutine."""
+        """Event loop: a channel's initial (or, unvalidated, recurrent) request through its coroutine; a search
+        request onto the batcher's queue (`_queue_channel_search`)."""
         kind, rows, payload = channel.request()
         if kind == channels.RECURRENT:
             coro = self.recurrent(channel.client, *payload)
