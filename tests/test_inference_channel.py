@@ -259,6 +259,44 @@ def test_whole_searches_through_the_channel_equal_ray_calls_and_two_can_be_in_fl
 
 
 
+def test_a_lone_clients_searches_skip_the_event_loop_and_a_bad_one_fails_alone(actor):
+    """One env's (or an evaluation's) searches: with the batcher idle and no other channel able to add rows, the
+    poller hands each straight to the GPU thread, which answers into the channel; the answers are a Ray call's."""
+    from rayzero.tree import SearchConfig
+
+    cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
+    search_cfg = SearchConfig(num_simulations=8, dirichlet_fraction=0.0)
+    server = ray.remote(InferenceServer).options(max_concurrency=100).remote(
+        MODEL, cfg, (4,), 3, 0, search_cfg=search_cfg, discount=0.99)
+    obs = np.random.default_rng(4).normal(size=(3, 4)).astype(np.float32)
+    client = InferenceClient(server, "one", max_rows=3, obs_rows=3)
+    client.submit_search(obs, 0.0)  # before any batcher exists: the event loop's batcher takes it (and starts)
+    first = client.wait_search()
+    assert ray.get(server.stats.remote())["lone_searches"] == 0
+    direct = ray.get(server.search.remote("direct", obs, temperature=0.0))
+    for _ in range(3):
+        client.submit_search(obs, 0.0)
+        answer = client.wait_search()
+        np.testing.assert_array_equal(answer["action"], direct["action"])
+        np.testing.assert_allclose(answer["action_weights"], direct["action_weights"], rtol=1e-6)
+        np.testing.assert_allclose(answer["root_value"], direct["root_value"], rtol=1e-5, atol=1e-6)
+        assert answer["server_ms"] >= answer["queue_ms"] + answer["device_ms"] > 0
+    np.testing.assert_array_equal(first["action"], direct["action"])
+    stats = ray.get(server.stats.remote())
+    assert stats["lone_searches"] == 3 and stats["channel_answers"] == {"event_loop": 0, "gpu_thread": 4}
+    # A request past the client's own checks (a negative temperature in the header) fails alone, with what was
+    # wrong, counted as an error; the next one is answered.
+    client.arrays["obs"][:len(obs)] = obs
+    client._inflight = (client._send(SEARCH, len(obs), -TEMPERATURE_SCALE), obs, -1.0, False)
+    with pytest.raises(InferenceError, match="bad search config override.*temperature"):
+        client.wait_search()
+    client.submit_search(obs, 0.0)
+    np.testing.assert_array_equal(client.wait_search()["action"], direct["action"])
+    stats = ray.get(server.stats.remote())
+    assert stats["errors"] == 1 and stats["lone_searches"] == 4
+    ray.kill(server)
+
+
 def test_an_evaluations_greedy_search_goes_through_the_channel_and_searches_without_noise(actor):
     """The evaluation's per-step search (temperature 0, no root noise) travels through the shared-memory channel,
     not a Ray call carrying the observations, and gives what the same search through a Ray call gives, on a

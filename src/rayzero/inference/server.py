@@ -16,8 +16,11 @@ the GPU thread, at most WAVE_BATCHES unfinished at a time (one running, one wait
 max_batch rows from the queue, runs them as one recurrent batch (slot checks, a bad request fails alone) and
 writes every answer into its channel: no coroutine, task or future per request, no hop to the event loop.
 Channel whole-search requests go onto the event loop batcher's queues as such `_Request`s too (checked there,
-no coroutine), and the GPU thread writes their answers into their channels when their batch is done. Channel
-initial requests and every Ray call go through the batcher as coroutines, answered through futures.
+no coroutine), and the GPU thread writes their answers into their channels when their batch is done. A search
+that nothing could join (the batcher idle with nothing queued or in flight, and every other open channel waiting
+on an answer: one env, an evaluation) goes from the poller straight to the GPU thread as a job of its own, and
+never touches the loop. Channel initial requests and every Ray call go through the batcher as coroutines,
+answered through futures.
 """
 
 from __future__ import annotations
@@ -180,6 +183,9 @@ class InferenceServer:
         # answers): outstanding = the difference.
         self._channel_handed = 0
         self._wave_handed = 0
+        self._lone_handed = 0  # the poller's: lone searches it handed straight to the GPU thread
+        self._lone_done = 0  # the GPU thread's: those it has answered
+        self._batcher_idle = False  # the batcher waits with nothing queued or in flight (set on the event loop)
         self._channel_answered_loop = 0
         self._channel_answered_gpu = 0
         self._channel_errors = 0  # requests the poller thread refused (its own counter: no race with the loop's)
@@ -279,16 +285,25 @@ class InferenceServer:
         return await self._submit(*prepared)
 
     def _search_request(self, client: str, obs: np.ndarray, invalid_actions: np.ndarray | None,
-                        overrides: dict[str, Any]) -> tuple[Any, str, Any, int] | dict[str, np.ndarray]:
+                        overrides: dict[str, Any], count_errors: bool = True
+                        ) -> tuple[Any, str, Any, int] | dict[str, np.ndarray]:
         """A search request checked: its (queue key, client, payload, rows), or the answer of one with no roots.
-        Raises InferenceError (counted) for bad input."""
-        self._checked(self._check_client, "search", client)
-        obs = self._checked(self._check_obs, "search", obs)
-        mask = self._checked(self._check_mask, invalid_actions, len(obs))
+        Raises InferenceError for bad input, counted in `errors` (the event loop's counter) with count_errors."""
+        try:
+            return self._search_request_checked(client, obs, invalid_actions, overrides)
+        except InferenceError:
+            if count_errors:
+                self.errors += 1
+            raise
+
+    def _search_request_checked(self, client: str, obs: np.ndarray, invalid_actions: np.ndarray | None,
+                                overrides: dict[str, Any]) -> tuple[Any, str, Any, int] | dict[str, np.ndarray]:
+        self._check_client("search", client)
+        obs = self._check_obs("search", obs)
+        mask = self._check_mask(invalid_actions, len(obs))
         try:
             config = dataclasses.replace(self.search_cfg, **overrides) if overrides else self.search_cfg
         except (TypeError, ValueError) as error:
-            self.errors += 1
             raise InferenceError(f"search: bad search config override {overrides}: {error}") from None
         if len(obs) == 0:
             return {"action": np.zeros(0, np.int64), "action_weights": np.zeros((0, self.num_actions), np.float32),
@@ -297,11 +312,9 @@ class InferenceServer:
         if self.eval_runner is not None and self._pinned(client):
             # An evaluation's client (set_eval_weights): its searches play the evaluation network's weights.
             if len(obs) > self.eval_runner.M:
-                self.errors += 1
                 raise InferenceError(f"search: {len(obs)} roots for the evaluation network, which takes at most "
                                      f"{self.eval_runner.M} (the server's eval_rows)")
             if config not in (self._greedy_cfg, self.eval_search_cfg):
-                self.errors += 1
                 raise InferenceError(f"search: the evaluation network only searches greedily "
                                      f"({channels.GREEDY_OVERRIDES}); got overrides {overrides}")
             config = self.eval_search_cfg  # with the evaluation's simulations (a channel request names none)
@@ -363,7 +376,10 @@ class InferenceServer:
         others: list[tuple[channels.ServerChannel, int]] = []
         for channel, seq in new:
             h = channel.header
-            if int(h[channels.KIND]) != channels.RECURRENT:
+            kind = int(h[channels.KIND])
+            if kind == channels.SEARCH and len(new) == 1 and self._lone_search(channel, seq):
+                continue
+            if kind != channels.RECURRENT:
                 others.append((channel, seq))
                 continue
             rows, limit = int(h[channels.ROWS]), len(channel.arrays["handles"])
@@ -480,6 +496,52 @@ class InferenceServer:
         except InferenceError as error:  # bad input (counted where raised) or overloaded: this one fails alone
             self._channel_answered_loop += 1
             channel.fail(seq, error)
+
+    def _lone_search(self, channel: channels.ServerChannel, seq: int) -> bool:
+        """Poller thread: hand a search request straight to the GPU thread when nothing could join its batch (the
+        batcher idle with nothing queued or in flight, no wave job, no other lone search, and every other open
+        channel waiting on an answer), so one client's search (one env, an evaluation) skips the event loop both
+        ways. Returns False, touching nothing, where the batcher should take it."""
+        if not (self._batcher_idle and self._loop_queued_rows() == 0 and self._lone_handed == self._lone_done
+                and not self._waves and self._wave_jobs == 0):
+            return False
+        self._lone_handed += 1
+        if not self._channels_all_waiting():
+            self._lone_handed -= 1
+            return False
+        kind, rows, payload = channel.request()
+        try:
+            if payload is None:
+                raise InferenceError(f"channel: search request without an obs buffer (kind {kind})")
+            obs, temperature, greedy = payload
+            overrides = channels.GREEDY_OVERRIDES if greedy else {"temperature": temperature}
+            prepared = self._search_request(channel.client, obs, None, overrides, count_errors=False)
+            if isinstance(prepared, dict):
+                channel.reply(seq, prepared)
+                self._lone_done_by_poller()
+                return True
+            key, client, payload, rows = prepared
+            request = _Request(key, client, payload, rows, None, time.perf_counter(), channel, seq)
+            self.gpu.submit(self._lone_job, request)
+        except (InferenceError, RuntimeError) as error:  # bad input, or the executor shut down (the actor ends)
+            self._channel_errors += 1
+            channel.fail(seq, error if isinstance(error, InferenceError) else InferenceError(f"search: {error}"))
+            self._lone_done_by_poller()
+        return True
+
+    def _lone_done_by_poller(self) -> None:
+        """Poller thread: a lone search answered without the GPU thread (counted as handed, then as not)."""
+        self._lone_handed -= 1
+
+    def _lone_job(self, request: _Request) -> None:
+        """GPU thread: a lone search launched, waited for and answered into its channel, in one job."""
+        try:
+            self._finish(self._launch(request.key, [request]))
+        except Exception as error:  # noqa: BLE001 - the request fails, the actor serves on
+            request.channel.fail(request.seq, _as_inference_error("search", error))
+            self._channel_answered_gpu += 1
+        finally:
+            self._lone_done += 1
 
     # -- the wave queue (poller thread -> GPU thread) --------------------------------------------------------
 
@@ -618,7 +680,8 @@ class InferenceServer:
                             "mean_wait_ms": 1e3 * m["wait_s"] / max(1, m["requests"]),
                             "mean_gpu_ms": 1e3 * m["gpu_s"] / max(1, m["count"])}
         errors = self.errors + self._channel_errors + self._gpu_errors
-        return {"version": self.version, "errors": errors, "requests": self.requests + self._wave_requests_n,
+        return {"version": self.version, "errors": errors,
+                "requests": self.requests + self._wave_requests_n + self._lone_handed,
                 "buckets": buckets, "overloaded": self.overloaded + self._wave_overloaded,
                 "queued_rows": self._loop_queued_rows() + self._wave_rows,
                 "peak_queued_rows": max(self.peak_queued_rows, self._wave_peak_rows), "max_queue": self.max_queue,
@@ -628,6 +691,7 @@ class InferenceServer:
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
                 "gone_clients": self.gone_clients,
                 "channel_answers": {"event_loop": self._channel_answered_loop, "gpu_thread": self._channel_answered_gpu},
+                "lone_searches": self._lone_done,
                 "cuda_graphs": len(self.runner.graphs), "search_graphs": len(self.runner.searches),
                 "lane_batches": list(self.lane_batches),
                 "capture_s": self.runner.capture_s + (self.eval_runner.capture_s if self.eval_runner else 0.0),
@@ -783,7 +847,8 @@ class InferenceServer:
         poller = self._poller
         if poller is None:
             return False
-        waiting = self._channel_handed + self._wave_handed - self._channel_answered_loop - self._channel_answered_gpu
+        waiting = (self._channel_handed + self._wave_handed + self._lone_handed - self._channel_answered_loop
+                   - self._channel_answered_gpu)
         return 0 < len(poller.channels) <= waiting
 
     @staticmethod
@@ -855,7 +920,11 @@ class InferenceServer:
                     self._deliver(done, await loop.run_in_executor(self.gpu, self._finish, done))
                     continue
                 self._wake.clear()
-                await self._wake.wait()
+                self._batcher_idle = True  # nothing queued or in flight: the poller may hand lone searches on
+                try:
+                    await self._wake.wait()
+                finally:
+                    self._batcher_idle = False
                 continue
             await self._fill(key, float("inf") if not unfinished else fill_until)
             requests = self._take(key, busy=bool(unfinished))
