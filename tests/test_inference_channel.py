@@ -270,10 +270,7 @@ def test_a_lone_clients_searches_skip_the_event_loop_and_a_bad_one_fails_alone(a
         MODEL, cfg, (4,), 3, 0, search_cfg=search_cfg, discount=0.99)
     obs = np.random.default_rng(4).normal(size=(3, 4)).astype(np.float32)
     client = InferenceClient(server, "one", max_rows=3, obs_rows=3)
-    client.submit_search(obs, 0.0)  # before any batcher exists: the event loop's batcher takes it (and starts)
-    first = client.wait_search()
-    assert ray.get(server.stats.remote())["lone_searches"] == 0
-    direct = ray.get(server.search.remote("direct", obs, temperature=0.0))
+    direct = ray.get(server.search.remote("direct", obs, temperature=0.0))  # a Ray call: through the batcher
     for _ in range(3):
         client.submit_search(obs, 0.0)
         answer = client.wait_search()
@@ -281,9 +278,8 @@ def test_a_lone_clients_searches_skip_the_event_loop_and_a_bad_one_fails_alone(a
         np.testing.assert_allclose(answer["action_weights"], direct["action_weights"], rtol=1e-6)
         np.testing.assert_allclose(answer["root_value"], direct["root_value"], rtol=1e-5, atol=1e-6)
         assert answer["server_ms"] >= answer["queue_ms"] + answer["device_ms"] > 0
-    np.testing.assert_array_equal(first["action"], direct["action"])
     stats = ray.get(server.stats.remote())
-    assert stats["lone_searches"] == 3 and stats["channel_answers"] == {"event_loop": 0, "gpu_thread": 4}
+    assert stats["lone_searches"] == 3 and stats["channel_answers"] == {"event_loop": 0, "gpu_thread": 3}
     # A request past the client's own checks (a negative temperature in the header) fails alone, with what was
     # wrong, counted as an error; the next one is answered.
     client.arrays["obs"][:len(obs)] = obs

@@ -185,7 +185,7 @@ class InferenceServer:
         self._wave_handed = 0
         self._lone_handed = 0  # the poller's: lone searches it handed straight to the GPU thread
         self._lone_done = 0  # the GPU thread's: those it has answered
-        self._batcher_idle = False  # the batcher waits with nothing queued or in flight (set on the event loop)
+        self._batcher_unfinished = 0  # batches the batcher launched and has not finished (set as its steps end)
         self._channel_answered_loop = 0
         self._channel_answered_gpu = 0
         self._channel_errors = 0  # requests the poller thread refused (its own counter: no race with the loop's)
@@ -499,10 +499,11 @@ class InferenceServer:
 
     def _lone_search(self, channel: channels.ServerChannel, seq: int) -> bool:
         """Poller thread: hand a search request straight to the GPU thread when nothing could join its batch (the
-        batcher idle with nothing queued or in flight, no wave job, no other lone search, and every other open
-        channel waiting on an answer), so one client's search (one env, an evaluation) skips the event loop both
-        ways. Returns False, touching nothing, where the batcher should take it."""
-        if not (self._batcher_idle and self._loop_queued_rows() == 0 and self._lone_handed == self._lone_done
+        batcher with nothing queued or in flight, no wave job, no other lone search, and every other open channel
+        waiting on an answer), so one client's search (one env, an evaluation) skips the event loop both ways.
+        The GPU thread runs its jobs one at a time, so a batch the batcher launches meanwhile runs before or after
+        it. Returns False, touching nothing, where the batcher should take it."""
+        if not (self._batcher_unfinished == 0 and self._loop_queued_rows() == 0 and self._lone_handed == self._lone_done
                 and not self._waves and self._wave_jobs == 0):
             return False
         self._lone_handed += 1
@@ -517,31 +518,32 @@ class InferenceServer:
             overrides = channels.GREEDY_OVERRIDES if greedy else {"temperature": temperature}
             prepared = self._search_request(channel.client, obs, None, overrides, count_errors=False)
             if isinstance(prepared, dict):
+                self._lone_handed -= 1  # answered here, without the GPU thread: not outstanding
                 channel.reply(seq, prepared)
-                self._lone_done_by_poller()
                 return True
             key, client, payload, rows = prepared
             request = _Request(key, client, payload, rows, None, time.perf_counter(), channel, seq)
             self.gpu.submit(self._lone_job, request)
         except (InferenceError, RuntimeError) as error:  # bad input, or the executor shut down (the actor ends)
             self._channel_errors += 1
+            self._lone_handed -= 1
             channel.fail(seq, error if isinstance(error, InferenceError) else InferenceError(f"search: {error}"))
-            self._lone_done_by_poller()
         return True
 
-    def _lone_done_by_poller(self) -> None:
-        """Poller thread: a lone search answered without the GPU thread (counted as handed, then as not)."""
-        self._lone_handed -= 1
-
     def _lone_job(self, request: _Request) -> None:
-        """GPU thread: a lone search launched, waited for and answered into its channel, in one job."""
+        """GPU thread: a lone search launched, waited for and answered into its channel, in one job. It counts as
+        done before its answer is written: its client may send the next one at once, and that one may be lone
+        too."""
         try:
-            self._finish(self._launch(request.key, [request]))
-        except Exception as error:  # noqa: BLE001 - the request fails, the actor serves on
-            request.channel.fail(request.seq, _as_inference_error("search", error))
-            self._channel_answered_gpu += 1
-        finally:
+            batch = self._launch(request.key, [request])
+            self._finish(batch, answer_channels=False)  # a failed launch or wait is the request's answer
+        except Exception as error:  # noqa: BLE001 - anything else fails this request alone, and the path stays open
             self._lone_done += 1
+            self._channel_answered_gpu += 1
+            request.channel.fail(request.seq, _as_inference_error("search", error))
+            return
+        self._lone_done += 1
+        self._answer_channels(batch)
 
     # -- the wave queue (poller thread -> GPU thread) --------------------------------------------------------
 
@@ -918,13 +920,10 @@ class InferenceServer:
                 if unfinished:
                     done = unfinished.popleft()
                     self._deliver(done, await loop.run_in_executor(self.gpu, self._finish, done))
+                    self._batcher_unfinished = len(unfinished)
                     continue
                 self._wake.clear()
-                self._batcher_idle = True  # nothing queued or in flight: the poller may hand lone searches on
-                try:
-                    await self._wake.wait()
-                finally:
-                    self._batcher_idle = False
+                await self._wake.wait()
                 continue
             await self._fill(key, float("inf") if not unfinished else fill_until)
             requests = self._take(key, busy=bool(unfinished))
@@ -953,6 +952,7 @@ class InferenceServer:
         while len(unfinished) > (len(self.lanes) if pipelined else 0):
             oldest = unfinished.popleft()
             done.append((oldest, self._finish(oldest)))
+        self._batcher_unfinished = len(unfinished)
         return (launched if unfinished else None), done
 
     def _pick_lane(self) -> int:
@@ -1077,8 +1077,9 @@ class InferenceServer:
                                           for r in batch.requests]) for name in names}
         batch.flight = (batch.runner or self.runner).launch_search(obs, mask, batch.key[1], rows)
 
-    def _finish(self, batch: _Batch) -> list:
-        """GPU thread: wait for the batch's outputs and split them into per-request answers."""
+    def _finish(self, batch: _Batch, answer_channels: bool = True) -> list:
+        """GPU thread: wait for the batch's outputs and split them into per-request answers (and, with
+        answer_channels, write the channel requests' answers)."""
         if batch.lane >= 0:
             self._lane_unfinished[batch.lane] -= 1
         try:
@@ -1100,7 +1101,8 @@ class InferenceServer:
                 self._record(batch)
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             batch.results = [r if r is not None else error for r in batch.results]
-        self._answer_channels(batch)
+        if answer_channels:
+            self._answer_channels(batch)
         return batch.results
 
     def _answer_channels(self, batch: _Batch) -> None:
