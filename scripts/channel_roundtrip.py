@@ -47,7 +47,7 @@ def main() -> None:
           f"device {p50[3]:.3f} ms (p50 of {len(r)}); there and back {np.percentile(r[:, 0] - r[:, 1], 50):.3f}, "
           f"server beyond queued+device {np.percentile(r[:, 1] - r[:, 2] - r[:, 3], 50):.3f}, "
           f"round trip less device {np.percentile(r[:, 0] - r[:, 3], 50):.3f} "
-          f"(p90 {np.percentile(r[:, 0] - r[:, 3], 90):.3f})")
+          f"(p90 {np.percentile(r[:, 0] - r[:, 3], 90):.3f}); lone searches {ray.get(server.stats.remote())['lone_searches']}")
     ray.shutdown()
 
 
