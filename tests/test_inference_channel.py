@@ -246,22 +246,25 @@ def test_whole_searches_through_the_channel_equal_ray_calls_and_two_can_be_in_fl
         first.wait_search()
     # The GPU thread wrote these answers into their channels: none went back through the event loop.
     assert ray.get(server.stats.remote())["channel_answers"] == {"event_loop": 0, "gpu_thread": 2}
-    # A request past InferenceClient's own checks (a negative temperature in the channel's header) fails alone,
-    # with what was wrong, and the channel serves the next one.
-    first.arrays["obs"][:len(obs)] = obs
-    first._inflight = (first._send(SEARCH, len(obs), -TEMPERATURE_SCALE), obs, -1.0, False)
-    with pytest.raises(InferenceError, match="bad search config override.*temperature"):
-        first.wait_search()
-    first.submit_search(obs, 0.0)
-    np.testing.assert_array_equal(first.wait_search()["action"], direct["action"])
+    _bad_search_fails_alone(first, obs, direct["action"])
     assert ray.get(server.stats.remote())["channel_answers"] == {"event_loop": 1, "gpu_thread": 3}
     ray.kill(server)
 
 
+def _bad_search_fails_alone(client: InferenceClient, obs: np.ndarray, actions: np.ndarray) -> None:
+    """A search past InferenceClient's own checks (a negative temperature written into the channel's header)
+    fails alone, with what was wrong, and the channel answers the next one (its actions: `actions`)."""
+    client.arrays["obs"][:len(obs)] = obs
+    client._inflight = (client._send(SEARCH, len(obs), -TEMPERATURE_SCALE), obs, -1.0, False)
+    with pytest.raises(InferenceError, match="bad search config override.*temperature"):
+        client.wait_search()
+    client.submit_search(obs, 0.0)
+    np.testing.assert_array_equal(client.wait_search()["action"], actions)
+
 
 def test_a_lone_clients_searches_skip_the_event_loop_and_a_bad_one_fails_alone(actor):
-    """One env's (or an evaluation's) searches: with the batcher idle and no other channel able to add rows, the
-    poller hands each straight to the GPU thread, which answers into the channel; the answers are a Ray call's."""
+    """One env's (or an evaluation's) searches: with the batcher holding nothing and no other channel able to add
+    rows, the poller hands each straight to the GPU thread, which answers into the channel; the answers are a Ray call's."""
     from rayzero.tree import SearchConfig
 
     cfg = InferenceConfig(device="cpu", max_batch=64, min_bucket=4, max_wait_us=300)
@@ -280,14 +283,7 @@ def test_a_lone_clients_searches_skip_the_event_loop_and_a_bad_one_fails_alone(a
         assert answer["server_ms"] >= answer["queue_ms"] + answer["device_ms"] > 0
     stats = ray.get(server.stats.remote())
     assert stats["lone_searches"] == 3 and stats["channel_answers"] == {"event_loop": 0, "gpu_thread": 3}
-    # A request past the client's own checks (a negative temperature in the header) fails alone, with what was
-    # wrong, counted as an error; the next one is answered.
-    client.arrays["obs"][:len(obs)] = obs
-    client._inflight = (client._send(SEARCH, len(obs), -TEMPERATURE_SCALE), obs, -1.0, False)
-    with pytest.raises(InferenceError, match="bad search config override.*temperature"):
-        client.wait_search()
-    client.submit_search(obs, 0.0)
-    np.testing.assert_array_equal(client.wait_search()["action"], direct["action"])
+    _bad_search_fails_alone(client, obs, direct["action"])  # counted as an error
     stats = ray.get(server.stats.remote())
     assert stats["errors"] == 1 and stats["lone_searches"] == 4
     ray.kill(server)
