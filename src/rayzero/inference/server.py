@@ -484,18 +484,27 @@ class InferenceServer:
         """Event loop: a channel's search request straight onto the batcher's queue, answered into its channel by
         the GPU thread (`_answer_channels`) as soon as the batch is done: no coroutine, and no hop back through
         the event loop before the answer (one env's search pays each hop on every step)."""
-        overrides = channels.GREEDY_OVERRIDES if greedy else {"temperature": temperature}
         try:
-            prepared = self._search_request(channel.client, obs, None, overrides)
-            if isinstance(prepared, dict):
+            request = self._channel_search(channel, seq, obs, temperature, greedy)
+            if isinstance(request, dict):
                 self._channel_answered_loop += 1
-                channel.reply(seq, prepared)
+                channel.reply(seq, request)
                 return
-            key, client, payload, rows = prepared
-            self._enqueue(_Request(key, client, payload, rows, None, time.perf_counter(), channel, seq))
+            self._enqueue(request)
         except InferenceError as error:  # bad input (counted where raised) or overloaded: this one fails alone
             self._channel_answered_loop += 1
             channel.fail(seq, error)
+
+    def _channel_search(self, channel: channels.ServerChannel, seq: int, obs: np.ndarray, temperature: float,
+                        greedy: bool, count_errors: bool = True) -> _Request | dict[str, np.ndarray]:
+        """A channel's search request checked (`_search_request`): the `_Request` that names its channel, or the
+        answer of one with no roots."""
+        overrides = channels.GREEDY_OVERRIDES if greedy else {"temperature": temperature}
+        prepared = self._search_request(channel.client, obs, None, overrides, count_errors)
+        if isinstance(prepared, dict):
+            return prepared
+        key, client, payload, rows = prepared
+        return _Request(key, client, payload, rows, None, time.perf_counter(), channel, seq)
 
     def _lone_search(self, channel: channels.ServerChannel, seq: int) -> bool:
         """Poller thread: hand a search request straight to the GPU thread when nothing could join its batch (the
@@ -514,15 +523,11 @@ class InferenceServer:
         try:
             if payload is None:
                 raise InferenceError(f"channel: search request without an obs buffer (kind {kind})")
-            obs, temperature, greedy = payload
-            overrides = channels.GREEDY_OVERRIDES if greedy else {"temperature": temperature}
-            prepared = self._search_request(channel.client, obs, None, overrides, count_errors=False)
-            if isinstance(prepared, dict):
+            request = self._channel_search(channel, seq, *payload, count_errors=False)
+            if isinstance(request, dict):
                 self._lone_handed -= 1  # answered here, without the GPU thread: not outstanding
-                channel.reply(seq, prepared)
+                channel.reply(seq, request)
                 return True
-            key, client, payload, rows = prepared
-            request = _Request(key, client, payload, rows, None, time.perf_counter(), channel, seq)
             self.gpu.submit(self._lone_job, request)
         except (InferenceError, RuntimeError) as error:  # bad input, or the executor shut down (the actor ends)
             self._channel_errors += 1
