@@ -32,6 +32,9 @@ class _FakeEvent:
     def synchronize(self):
         pass
 
+    def query(self):
+        return True
+
     def elapsed_time(self, other):
         return 0.0
 

@@ -11,9 +11,8 @@ kept busy (/proc/PID/stat: which processes took them). On a GPU host the
 default rows are the `atari` preset at 50 simulations with the plan's envs per actor and with 16, at 200
 simulations, and with `search.device=cpu` (trees walked by the self-play actors, leaves evaluated by the
 inference actor), each with as many self-play actors as the host plan gives; `--rows preset,envs16,envs128,sims200,cpu,cpu128,cpu256,
-cut,lanes2,lanes3,lanes2_128,lanes3_128,vl2,vl4,vl8,groups3,poll100` picks some of them (a device call may not have time
-for all four); envs128, cpu128, cpu256, cut, the lanes, virtual-loss, groups and poll rows run only when asked
-for.
+cut,lanes2,lanes3,lanes2_128,lanes3_128,vl2,vl4,vl8,groups3,poll100,threads3,threads4,spin` picks some of them (a device
+call may not have time for all four); the rows beyond the four defaults run only when asked for.
 
 worker: one `SelfPlayWorker` with a local network copy, no Ray (the CPU path a laptop runs), against the
 bare vector env.
@@ -348,6 +347,9 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     if after is not None:
         row["batches"] = _batch_fill(after, before)
         row["lane_batches"] = [n - m for n, m in zip(after.get("lane_batches", []), before.get("lane_batches", []))]
+        # the GPU thread's batch waits over the timed steps: slept through most of the batch, or spun throughout
+        row["batch_waits"] = {k: n - before.get("batch_waits", {}).get(k, 0)
+                              for k, n in after.get("batch_waits", {}).items()}
     lat, one = row["step_latency"], row["one_env_latency"]
     print(f"served {preset:8s} sims {row['simulations']:3d}  {row['actors']:2d} x {row['envs_per_actor']:3d} envs  "
           f"{rate:8,.0f} env steps/s  ceiling {ceiling:8,.0f} ({row['ratio_to_ceiling']:.0%})  "
@@ -378,7 +380,7 @@ GPU_ROWS = {"preset": _HOST, "envs16": [*_HOST, "env.num_envs=16"], "envs128": [
             "lanes3_128": [*_HOST, "inference.search_lanes=3", "env.num_envs=128"],
             "vl2": [*_HOST, "search.virtual_loss=2"], "vl4": [*_HOST, "search.virtual_loss=4"],
             "vl8": [*_HOST, "search.virtual_loss=8"], "groups3": [*_HOST, "env.search_groups=3"],
-            "poll100": [*_HOST, "inference.poll_interval_us=100"],
+            "poll100": [*_HOST, "inference.poll_interval_us=100"], "spin": [*_HOST, "inference.sleep_waits=false"],
             "threads3": [*_HOST, "env.num_threads=3"], "threads4": [*_HOST, "env.num_threads=4"]}
 """The rows on a GPU host: the plan's envs per actor (cluster/plan.py, `selfplay_envs`: 128 where whole searches
 run on the GPU), then 16 (searches of a quarter the roots) or 128, 200 simulations, and the trees walked on the
@@ -389,7 +391,9 @@ a smaller bucket where that moves more rows per device second (inference.bucket_
 (whole searches in flight at once on their own streams), virtual loss 2, 4 or 8 (K walks per tree per network
 call: a K times shorter chain of calls), the envs in three groups rather than two halves (each search has
 two groups' steps to come back in), and 3 or 4 native threads per vector env instead of the plan's (the
-cluster's CPUs over its actors: 2 for 12 actors on 16 cores), where the actors' time goes to the env step. Every row sizes self-play from the host (as many actors, and as many envs
+cluster's CPUs over its actors: 2 for 12 actors on 16 cores), where the actors' time goes to the env step, and
+the inference actor's GPU thread spinning through every batch's wait (`spin`: inference.sleep_waits=false) as before
+it slept through most of them. Every row sizes self-play from the host (as many actors, and as many envs
 per actor, as the plan gives): the preset pins one actor of 64 envs, which is what its learner needs at its
 replay ratio, while this bench measures what self-play on the host can do."""
 

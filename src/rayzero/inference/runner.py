@@ -29,12 +29,23 @@ IDX_ROWS = 7  # src slot, action, dst slot, cache hit entry, cache hit dst slot,
 SRC, ACT, DST, HIT_SRC, HIT_DST, INS_ENTRY, INS_SLOT = range(IDX_ROWS)
 HIGHEST_PRIORITY = -100  # torch maps a stream priority beyond the device's range to the range's end
 SEARCH_GRAPHS_PER_BUCKET = 4  # captured search configs kept per bucket (least recently used evicted)
+SLEEP_CHECK_S = 250e-6  # a sleeping wait looks at its batch's end event this often
 
 log = logger(__name__)
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+
+
+def sleep_until_done(done, until: float, check_s: float = SLEEP_CHECK_S) -> bool:
+    """Sleep until `done()` or the time.perf_counter() time `until`, looking every `check_s`; returns done()."""
+    while not done():
+        left = until - time.perf_counter()
+        if left <= 0:
+            return False
+        time.sleep(min(left, check_s))
+    return True
 
 
 # Seams of the CUDA path (tests emulate it on the CPU by replacing these three and torch.cuda's streams/events).
@@ -523,9 +534,15 @@ class Runner:
 
     # -- results, weights, timing ---------------------------------------------------------------------------
 
-    def wait(self, flight: Flight) -> dict[str, np.ndarray]:
-        """Block until the flight's outputs are on the host (the one synchronisation per batch)."""
+    def wait(self, flight: Flight, sleep_until: float = 0.0) -> dict[str, np.ndarray]:
+        """Block until the flight's outputs are on the host (the one synchronisation per batch). The driver spins
+        a core through a CUDA wait (its default with fewer CUDA contexts than cores); `sleep_until`, a
+        time.perf_counter() time shortly before the flight should end, lets this thread sleep until then
+        (`sleep_until_done`), so that a long wait leaves the core to the host's other work, and spin only for the
+        rest."""
         if flight.end is not None:
+            if sleep_until > 0:
+                sleep_until_done(flight.end.query, sleep_until)
             flight.end.synchronize()
             flight.slot.busy = False
             flight.gpu_s = flight.start.elapsed_time(flight.end) / 1e3
