@@ -813,67 +813,44 @@ def test_emulated_cuda_a_batch_launched_with_nothing_queued_is_finished_by_the_c
 
 
 @pytest.mark.parametrize("sleep_waits", [True, False])
-def test_emulated_cuda_a_batch_wait_sleeps_until_shortly_before_its_expected_end(emulated_cuda, monkeypatch,
-                                                                                 sleep_waits):
-    """inference.sleep_waits: once batches like it have a mean device time (here every batch takes 5 ms on the
-    emulated device), the GPU thread's wait for a batch sleeps until 0.3 ms + 10 % of that before the batch
-    should end, behind the work already on its stream, and spins from there; the first batch of a bucket (nothing
-    known yet), and every batch with the option off, spin throughout."""
-    class FiveMs(torch.cuda.Event):  # the fixture's emulated event
-        def elapsed_time(self, other):
-            return 5.0
+def test_emulated_cuda_a_batch_wait_sleeps_on_the_blocking_event_recorded_after_the_batch(emulated_cuda, monkeypatch,
+                                                                                        sleep_waits):
+    """inference.sleep_waits: the GPU thread waits for each batch (searches and the network's own steps) on a
+    blocking event recorded on the compute stream after the batch's end event, then on the end event (done by
+    then); with the option off, only on the end event, which spins."""
+    waited = []
 
-    monkeypatch.setattr(torch.cuda, "Event", FiveMs)
+    class Recorded(torch.cuda.Event):  # the fixture's emulated event, which remembers how it was made and used
+        def __init__(self, *args, **kwargs):
+            self.blocking, self.records = kwargs.get("blocking", False), 0
+
+        def record(self, stream=None):
+            self.records += 1
+
+        def synchronize(self):
+            waited.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Event", Recorded)
     from rayzero.tree import SearchConfig
 
     search_cfg = SearchConfig(num_simulations=4, dirichlet_fraction=0.0, temperature=0.0)
     cfg = InferenceConfig(device="cpu", max_batch=16, min_bucket=4, max_wait_us=0, bf16=False, search_max_batch=16,
                           sleep_waits=sleep_waits)
     srv = InferenceServer(MODEL, cfg, (4,), 3, search_cfg=search_cfg, discount=0.99)
-    waits = []
-    real_wait = srv.runner.wait
-
-    def wait(flight, sleep_until=0.0):
-        waits.append((flight, sleep_until))
-        return real_wait(flight, sleep_until)
-
-    monkeypatch.setattr(srv.runner, "wait", wait)
-    launches = []
-    real_launch = srv._launch
-
-    def launch(key, requests):
-        batch = real_launch(key, requests)
-        launches.append(batch.launched + batch.host_s)
-        return batch
-
-    monkeypatch.setattr(srv, "_launch", launch)
+    waited.clear()  # the start-up's own waits
     obs = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
-    for _ in range(3):
+    for _ in range(2):
         asyncio.run(srv.search("a", obs))
-    assert len(waits) == 3
-    assert waits[0][1] == 0.0  # bucket 4's first batch: no device time known yet
-    due = 0.0  # when the stream should be idle: the emulated device answers at once, but its events say 5 ms
-    for (_, until), launched in zip(waits[1:], launches[1:]):
-        due = max(launched, due) + 5e-3
-        assert until == (pytest.approx(due - 0.3e-3 - 0.5e-3, abs=1e-9) if sleep_waits else 0.0)
-    assert srv.stats()["batch_waits"] == ({"slept": 2, "spun": 1} if sleep_waits else {"slept": 0, "spun": 3})
-
-
-def test_sleep_until_done_returns_when_done_or_at_its_time():
-    """A sleeping wait ends within a look of its event being done, or at its time when the event is not done
-    by then; an event already done costs no sleep."""
-    from rayzero.inference.runner import sleep_until_done
-
-    done = threading.Event()
-    threading.Timer(0.03, done.set).start()
-    start = time.perf_counter()
-    assert sleep_until_done(done.is_set, start + 5.0)
-    assert 0.03 <= time.perf_counter() - start < 1.0  # not the 5 s it was allowed
-    start = time.perf_counter()
-    assert not sleep_until_done(lambda: False, start + 0.05)
-    assert time.perf_counter() - start >= 0.05
-    start = time.perf_counter()
-    assert sleep_until_done(lambda: True, start + 5.0) and time.perf_counter() - start < 0.5
+    asyncio.run(srv.initial("b", obs))
+    slots = srv.runner.slots
+    ends = {id(slot.end) for slot in slots}
+    if sleep_waits:
+        assert [w.blocking for w in waited] == [True, False] * 3
+        assert all(id(w) in ends for w in waited[1::2])
+        assert all(slot.done.records == slot.end.records for slot in slots)
+    else:
+        assert [w.blocking for w in waited] == [False] * 3 and all(id(w) in ends for w in waited)
+    assert srv.stats()["batch_waits"] == ({"slept": 3, "spun": 0} if sleep_waits else {"slept": 0, "spun": 3})
 
 
 def test_emulated_cuda_whole_searches_stop_at_a_smaller_bucket_where_it_moves_more_rows_per_device_second(

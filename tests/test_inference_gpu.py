@@ -253,10 +253,10 @@ def test_whole_search_graphs_match_eager_search():
     assert graphs.stats()["search_graphs"] >= 4  # start-up buckets 8, 16, 32 + the override's
 
 
-def test_a_batch_wait_that_sleeps_through_its_expected_device_time_answers_as_one_that_spins():
-    """inference.sleep_waits on a GPU: from a bucket's second batch on, the GPU thread sleeps through most of a
-    batch's expected device time before it waits on the batch's end; the answers are those of a server whose
-    waits spin throughout (the same weights, greedy searches without noise)."""
+def test_a_batch_wait_that_sleeps_on_a_blocking_event_answers_as_one_that_spins():
+    """inference.sleep_waits on a GPU: the GPU thread sleeps on a blocking event through each batch; the answers
+    are those of a server whose waits spin (the same weights, greedy searches without noise), and a weight swap
+    between them still lands."""
     config = SearchConfig(num_simulations=8, dirichlet_fraction=0.0, temperature=0.0)
     sleeping = _server(bf16=False, search_cfg=config)
     spinning = _server(bf16=False, search_cfg=config, sleep_waits=False)
@@ -264,13 +264,16 @@ def test_a_batch_wait_that_sleeps_through_its_expected_device_time_answers_as_on
     obs = [_obs(20, seed=30 + i) for i in range(5)]  # one request per round: each its own 32-row batch
 
     def rounds(srv):
-        return [asyncio.run(srv.search("c", o)) for o in obs]
+        before = srv.stats()["batch_waits"]
+        out = [asyncio.run(srv.search("c", o)) for o in obs]
+        after = srv.stats()["batch_waits"]
+        return out, {k: after[k] - before[k] for k in after}
 
-    for got, want in zip(rounds(sleeping), rounds(spinning)):
-        np.testing.assert_array_equal(got["visit_counts"], want["visit_counts"])
-        np.testing.assert_array_equal(got["root_value"], want["root_value"])
-    assert sleeping.stats()["batch_waits"] == {"slept": 4, "spun": 1}
-    assert spinning.stats()["batch_waits"] == {"slept": 0, "spun": 5}
+    (got, slept), (want, spun) = rounds(sleeping), rounds(spinning)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g["visit_counts"], w["visit_counts"])
+        np.testing.assert_array_equal(g["root_value"], w["root_value"])
+    assert slept == {"slept": 5, "spun": 0} and spun == {"slept": 0, "spun": 5}
 
 
 def test_search_lanes_on_two_streams_answer_as_eager_searches():

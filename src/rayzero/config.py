@@ -507,11 +507,10 @@ class InferenceConfig:
     interval leaves more of a core and of the GIL to the rest, and adds up to itself to a request's wait, small
     beside a whole search's milliseconds (`rayzero bench selfplay --rows preset,poll100`)."""
     sleep_waits: bool = True
-    """CUDA: the GPU thread sleeps through most of a batch's expected device time (the mean of batches like it so
-    far, behind the work already on its stream) and spins on the batch's end only from shortly before. A plain
-    CUDA wait spins a whole core for as long as the GPU works, a core that an env-bound host's envs need; a
-    lone search (one client, nothing to join it) always spins, as its client waits on nothing else (`rayzero
-    bench selfplay --rows preset,spin` compares)."""
+    """CUDA: the GPU thread sleeps in the driver while a batch runs (a blocking event), where a plain CUDA wait
+    spins a whole core for as long as the GPU works, a core that an env-bound host's envs need; it wakes some
+    microseconds later than a spinning wait would. A lone search (one client, nothing to join it) always spins,
+    as its client waits on nothing else (`rayzero bench selfplay --rows preset,spin` compares)."""
     cache_size: int = 0
     """Entries of the initial-inference cache keyed by an observation hash (LRU; 0 = off). Cleared on
     every weight update."""

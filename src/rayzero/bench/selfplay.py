@@ -347,7 +347,7 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     if after is not None:
         row["batches"] = _batch_fill(after, before)
         row["lane_batches"] = [n - m for n, m in zip(after.get("lane_batches", []), before.get("lane_batches", []))]
-        # the GPU thread's batch waits over the timed steps: slept through most of the batch, or spun throughout
+        # the GPU thread's CUDA batch waits over the timed steps: slept on a blocking event, or spun
         row["batch_waits"] = {k: n - before.get("batch_waits", {}).get(k, 0)
                               for k, n in after.get("batch_waits", {}).items()}
     lat, one = row["step_latency"], row["one_env_latency"]
@@ -392,8 +392,8 @@ a smaller bucket where that moves more rows per device second (inference.bucket_
 call: a K times shorter chain of calls), the envs in three groups rather than two halves (each search has
 two groups' steps to come back in), and 3 or 4 native threads per vector env instead of the plan's (the
 cluster's CPUs over its actors: 2 for 12 actors on 16 cores), where the actors' time goes to the env step, and
-the inference actor's GPU thread spinning through every batch's wait (`spin`: inference.sleep_waits=false) as before
-it slept through most of them. Every row sizes self-play from the host (as many actors, and as many envs
+the inference actor's GPU thread spinning on every batch (`spin`: inference.sleep_waits=false) rather than sleeping
+on a blocking event. Every row sizes self-play from the host (as many actors, and as many envs
 per actor, as the plan gives): the preset pins one actor of 64 envs, which is what its learner needs at its
 replay ratio, while this bench measures what self-play on the host can do."""
 

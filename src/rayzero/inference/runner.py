@@ -29,23 +29,12 @@ IDX_ROWS = 7  # src slot, action, dst slot, cache hit entry, cache hit dst slot,
 SRC, ACT, DST, HIT_SRC, HIT_DST, INS_ENTRY, INS_SLOT = range(IDX_ROWS)
 HIGHEST_PRIORITY = -100  # torch maps a stream priority beyond the device's range to the range's end
 SEARCH_GRAPHS_PER_BUCKET = 4  # captured search configs kept per bucket (least recently used evicted)
-SLEEP_CHECK_S = 250e-6  # a sleeping wait looks at its batch's end event this often
 
 log = logger(__name__)
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
-
-
-def sleep_until_done(done, until: float, check_s: float = SLEEP_CHECK_S) -> bool:
-    """Sleep until `done()` or the time.perf_counter() time `until`, looking every `check_s`; returns done()."""
-    while not done():
-        left = until - time.perf_counter()
-        if left <= 0:
-            return False
-        time.sleep(min(left, check_s))
-    return True
 
 
 # Seams of the CUDA path (tests emulate it on the CPU by replacing these three and torch.cuda's streams/events).
@@ -106,6 +95,7 @@ class _Slot:
         self.consumed = torch.cuda.Event()  # the compute stream finished reading the device buffers
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
+        self.done = torch.cuda.Event(blocking=True)  # recorded right after `end`: a wait that sleeps (Runner.wait)
         self.busy = False  # launched and not yet waited for
 
 
@@ -380,6 +370,7 @@ class Runner:
                 self._cache_ops(self.static["idx"], len(cache_ops["hit_src"]), len(cache_ops["ins_entry"]))
             slot.out[:n].copy_(self.static["out"][:n], non_blocking=True)
             slot.end.record(self.stream)
+            slot.done.record(self.stream)
         return Flight("initial", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end, slot)
 
     def _cache_ops(self, idx: torch.Tensor, hits: int, inserts: int) -> None:
@@ -412,6 +403,7 @@ class Runner:
             graph = self._run("recurrent", n, bucket)
             slot.out[:n].copy_(self.static["out"][:n], non_blocking=True)
             slot.end.record(self.stream)
+            slot.done.record(self.stream)
         return Flight("recurrent", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end, slot)
 
     def _row_noise(self, config: SearchConfig, rows: dict[str, np.ndarray], size: int) -> SearchNoise:
@@ -460,6 +452,7 @@ class Runner:
             slot.s_visits[:n].copy_(out.visit_counts[:n], non_blocking=True)
             slot.s_value[:n].copy_(out.root_value[:n], non_blocking=True)
             slot.end.record(self.stream)
+            slot.done.record(self.stream)
         outputs = {"action": slot.s_action.numpy()[:n], "action_weights": slot.s_weights.numpy()[:n],
                    "visit_counts": slot.s_visits.numpy()[:n], "root_value": slot.s_value.numpy()[:n]}
         return Flight("search", n, bucket, True, outputs, slot.start, slot.end, slot)
@@ -534,15 +527,14 @@ class Runner:
 
     # -- results, weights, timing ---------------------------------------------------------------------------
 
-    def wait(self, flight: Flight, sleep_until: float = 0.0) -> dict[str, np.ndarray]:
-        """Block until the flight's outputs are on the host (the one synchronisation per batch). The driver spins
-        a core through a CUDA wait (its default with fewer CUDA contexts than cores); `sleep_until`, a
-        time.perf_counter() time shortly before the flight should end, lets this thread sleep until then
-        (`sleep_until_done`), so that a long wait leaves the core to the host's other work, and spin only for the
-        rest."""
+    def wait(self, flight: Flight, spin: bool = True) -> dict[str, np.ndarray]:
+        """Block until the flight's outputs are on the host (the one synchronisation per batch). A CUDA wait
+        spins a core for as long as the GPU works (the driver's default with fewer CUDA contexts than cores);
+        with spin=False this thread sleeps in the driver on a blocking event recorded after the flight's end
+        instead, leaving the core to the host's other work, and wakes some microseconds later."""
         if flight.end is not None:
-            if sleep_until > 0:
-                sleep_until_done(flight.end.query, sleep_until)
+            if not spin:
+                flight.slot.done.synchronize()
             flight.end.synchronize()
             flight.slot.busy = False
             flight.gpu_s = flight.start.elapsed_time(flight.end) / 1e3

@@ -75,8 +75,6 @@ def _as_inference_error(kind: str, error: Exception) -> InferenceError:
 _ANSWERED = object()  # the result of a fast-path request already written into its channel
 BUCKET_CUT_MIN_COUNT = 3  # batches of a bucket timed before inference.bucket_cut trusts its mean
 BUCKET_CUT_MARGIN = 1.05  # how many times the rows per device second a cut must move to be taken
-SLEEP_MARGIN_S = 300e-6  # a batch's wait wakes this long, plus SLEEP_MARGIN_FRACTION of its expected device time,
-SLEEP_MARGIN_FRACTION = 0.1  # before the batch should end, and spins from there (inference.sleep_waits)
 WAVE_BATCHES = 2  # most unfinished wave jobs (recurrent batches from the wave queue): one running, one waiting
 
 
@@ -113,7 +111,7 @@ class _Batch:
     host_s: float = 0.0
     runner: Runner | None = None  # the runner it was launched on (the evaluation network's, or the served one)
     lane: int = -1  # its index in `lanes` (-1: the evaluation network's runner)
-    sleep_until: float = 0.0  # its wait may sleep until then (perf_counter; 0: it spins, see Runner.wait)
+    spin: bool = True  # its wait spins rather than sleeps (Runner.wait)
 
 
 class InferenceServer:
@@ -228,8 +226,7 @@ class InferenceServer:
         self._lane_unfinished = [0] * len(self.lanes)  # GPU thread: batches launched on each and not finished
         self._lane_launched = [0.0] * len(self.lanes)  # GPU thread: when each last had a batch launched
         self.lane_batches = [0] * len(self.lanes)  # batches launched on each
-        self._lane_due = {-1: 0.0, **{i: 0.0 for i in range(len(self.lanes))}}  # GPU thread: when each should be idle
-        self.waits = {"slept": 0, "spun": 0}  # GPU thread: batch waits that slept first, or spun throughout
+        self.waits = {"slept": 0, "spun": 0}  # GPU thread: CUDA batch waits that slept, or spun
 
     def _lane_runner(self, model_cfg: ModelConfig, discount: float, seed: int) -> Runner:
         """A further search lane: a copy of the served network with its own stream, buffers and whole-search
@@ -546,7 +543,7 @@ class InferenceServer:
         too."""
         try:
             batch = self._launch(request.key, [request])
-            batch.sleep_until = 0.0  # its client waits on nothing else: spin, for the answer as soon as it is ready
+            batch.spin = True  # its client waits on nothing else: spin, for the answer as soon as it is ready
             self._finish(batch, answer_channels=False)  # a failed launch or wait is the request's answer
         except Exception as error:  # noqa: BLE001 - anything else fails this request alone, and the path stays open
             self._lone_done += 1
@@ -991,7 +988,7 @@ class InferenceServer:
         lane = -1 if pinned else self._pick_lane() if kind == "search" else 0
         batch = _Batch(key, kind, requests, [None] * len(requests), version=self.eval_version if pinned else
                        self.version, launched=start, runner=self.eval_runner if pinned else self.lanes[lane],
-                       lane=lane)
+                       lane=lane, spin=not self.cfg.sleep_waits)
         if lane >= 0:
             self._lane_unfinished[lane] += 1
             self._lane_launched[lane] = start
@@ -1007,22 +1004,10 @@ class InferenceServer:
             batch.flight = None
             batch.results = [r if isinstance(r, Exception) else error for r in batch.results]
         batch.host_s = time.perf_counter() - start
-        self._plan_wait(batch, start + batch.host_s)
         if self._trace is not None:
             self._span("queue", min(r.submitted for r in requests), start, "batcher", rows=sum(r.rows for r in requests))
             self._span(f"launch {kind}", start, start + batch.host_s, "gpu thread")
         return batch
-
-    def _plan_wait(self, batch: _Batch, now: float) -> None:
-        """GPU thread: when the batch's device work should end (its stream's work before it, then the mean device
-        time of batches like it), and so until when its wait may sleep (inference.sleep_waits; CUDA only)."""
-        expected = self._expected_gpu_s(batch) if self.runner.cuda and batch.flight is not None else 0.0
-        if expected <= 0:
-            return
-        due = max(now, self._lane_due[batch.lane]) + expected
-        self._lane_due[batch.lane] = due
-        if self.cfg.sleep_waits:
-            batch.sleep_until = due - SLEEP_MARGIN_S - SLEEP_MARGIN_FRACTION * expected
 
     def _launch_recurrent(self, batch: _Batch) -> None:
         payloads = [request.payload for request in batch.requests]
@@ -1109,8 +1094,8 @@ class InferenceServer:
             if batch.flight is not None:
                 wait_start = time.perf_counter()
                 runner = batch.runner or self.runner
-                outputs = runner.wait(batch.flight, batch.sleep_until)
-                self.waits["slept" if batch.sleep_until > 0 else "spun"] += batch.flight.end is not None
+                outputs = runner.wait(batch.flight, batch.spin)
+                self.waits["spun" if batch.spin else "slept"] += batch.flight.end is not None
                 if self._trace is not None:
                     self._span("wait", wait_start, time.perf_counter(), "gpu thread")
                     span = runner.device_span(batch.flight)
