@@ -448,3 +448,45 @@ def test_the_poller_sweeps_fast_while_a_request_is_in_flight_and_backs_off_once_
     answered = len(sweeps) - start
     assert in_flight > 100, in_flight
     assert answered <= 6, answered
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="the doorbell is a pipe opened through /proc")
+def test_with_two_requests_in_flight_the_poller_sleeps_on_its_doorbell_and_a_ring_wakes_it():
+    """Many clients' requests in flight (a GPU host's self-play) leave the poller asleep on its doorbell rather
+    than sweeping every 20 us. Known answers: 200 ms with two requests in flight see at most a handful of sweeps
+    (50 ms doorbell waits), against hundreds with one in flight (the test above); a third client's request,
+    written and rung as `InferenceClient` does, is handed on well before the next 50 ms wait would end; one
+    written without a ring is still handed on, when a wait runs out."""
+    from rayzero.inference import channel
+
+    seen = []
+    poller = channel.Poller(lambda new: seen.extend((c.client, seq, time.monotonic()) for c, seq in new))
+    assert poller.doorbell_path is not None
+    headers = {name: np.zeros(channel.HEADER, dtype=np.int64) for name in "abc"}
+    for name, header in headers.items():
+        poller.add(channel.ServerChannel(name, {"header": header}))
+    headers["a"][channel.REQ] = headers["b"][channel.REQ] = 1  # two requests in flight, never answered here
+    time.sleep(0.1)
+    start = poller.sweeps
+    time.sleep(0.2)
+    asleep = poller.sweeps - start
+    bell = os.open(poller.doorbell_path, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        rung_at = time.monotonic()
+        headers["c"][channel.REQ] = 1
+        os.write(bell, b"\1")
+        deadline = rung_at + 5
+        while not any(c == "c" for c, _, _ in seen) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        rung = [t for c, _, t in seen if c == "c"][0] - rung_at
+    finally:
+        os.close(bell)
+    time.sleep(0.06)  # past the wait that the ring ended
+    silent_at = time.monotonic()
+    headers["c"][channel.REQ] = 2  # no ring: seen only when the doorbell wait runs out
+    deadline = silent_at + 5
+    while not any(c == "c" and seq == 2 for c, seq, _ in seen) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert asleep <= 10, asleep
+    assert rung < 0.025, rung
+    assert {(c, seq) for c, seq, _ in seen} == {("a", 1), ("b", 1), ("c", 1), ("c", 2)}

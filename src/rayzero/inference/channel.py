@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import platform
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,9 @@ POLL_TIMER_SLACK_NS = 1000
 """Timer slack of the poller thread and of a client's waiting thread: Linux lets a sleep end up to the thread's slack
 late (50 us by default), so 20 us sweeps would come every ~70 us, and each channel request would wait that much
 longer."""
+DOORBELL_WAIT_S = 0.05
+"""With two or more requests in flight the poller sleeps on its doorbell (clients write a byte to it after each
+request) for up to this long, rather than sweeping every `sleep_s`."""
 _PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
 _fine_sleeps = threading.local()  # `set`: this client thread's timer slack is POLL_TIMER_SLACK_NS already
 
@@ -183,11 +187,17 @@ class Poller:
     client that comes back opens a new one. It sweeps every `sleep_s` while requests come, and backs off to
     `idle_sleep_s` once none has come, and none has been in flight, for `idle_after_s` (self-play held back by the
     replay ratio leaves every channel quiet for seconds, and a spinning sweep takes a core and the actor's GIL; a
-    client waiting on a search longer than that sends its next request right after the answer)."""
+    client waiting on a search longer than that sends its next request right after the answer).
+
+    The doorbell (Linux): a pipe that clients open as `doorbell_path` and write a byte to after each request. The
+    poller's sleeps end at a ring, and with two or more requests in flight (many clients: a GPU host's self-play)
+    it sleeps on the doorbell alone, up to DOORBELL_WAIT_S, instead of sweeping every `sleep_s`: tens of thousands
+    of wake-ups a second, each taking the actor's GIL and part of a core. With one request in flight (one env, an
+    evaluation alone) it keeps its fast sweeps, whose wake-ups keep its core ready for the next request."""
 
     def __init__(self, on_requests: Callable[[list[tuple[ServerChannel, int]]], None], idle_timeout_s: float = 0.0,
                  sleep_s: float = 20e-6, on_gone: Callable[[str], None] | None = None, idle_after_s: float = 0.005,
-                 idle_sleep_s: float = 500e-6, on_idle: Callable[[], bool] | None = None):
+                 idle_sleep_s: float = 500e-6, on_idle: Callable[[], bool] | None = None, doorbell: bool = True):
         self.on_requests = on_requests
         self.on_gone = on_gone
         self.on_idle = on_idle
@@ -196,6 +206,10 @@ class Poller:
         self.idle_after_s, self.idle_sleep_s = idle_after_s, idle_sleep_s
         self.channels: dict[str, ServerChannel] = {}
         self.timer_slack_ns: int | None = None  # the poller thread's, once it runs (None: left as it was)
+        self.sweeps = 0  # how many sweeps the poller has made
+        self.doorbell_path, self._bell = None, None
+        if doorbell:
+            self.doorbell_path, self._bell = _doorbell()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="inference-channels", daemon=True)
         self._thread.start()
@@ -229,6 +243,7 @@ class Poller:
                 channels = list(self.channels.values())
             new = []
             now = time.monotonic()
+            self.sweeps += 1
             for channel in channels:
                 seq = int(channel.header[REQ])
                 if seq != channel.seen:
@@ -264,10 +279,38 @@ class Poller:
                         busy = bool(self.on_idle())
                     except Exception:  # noqa: BLE001 - the poller goes on
                         pass
-                if any(channel.seen != int(channel.header[DONE]) for channel in channels):
+                in_flight = sum(channel.seen != int(channel.header[DONE]) for channel in channels)
+                if in_flight:
                     last_request = now  # a request in flight: its client comes back right after the answer
                 idle = not busy and now - last_request > self.idle_after_s
-                time.sleep(self.idle_sleep_s if idle else self.sleep_s)
+                if self._bell is not None and not busy and in_flight >= 2:
+                    self._sleep(DOORBELL_WAIT_S)
+                else:
+                    self._sleep(self.idle_sleep_s if idle else self.sleep_s)
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep for `seconds`, or until a client rings the doorbell (then empty it)."""
+        if self._bell is None:
+            time.sleep(seconds)
+            return
+        if select.select([self._bell], [], [], seconds)[0]:
+            try:
+                while os.read(self._bell, 65536):
+                    pass
+            except BlockingIOError:
+                pass
+
+
+def _doorbell() -> tuple[str | None, int | None]:
+    """A pipe the poller sleeps on: (the path clients of this node open its write end by, its read end), or (None,
+    None) where there is none (no /proc: the poller then sweeps on its timer alone). Both ends stay open with the
+    process, so a reader never sees the end of the pipe."""
+    if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        return None, None
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    return f"/proc/{os.getpid()}/fd/{write}", read
 
 
 class InferenceClient:
@@ -286,6 +329,7 @@ class InferenceClient:
         self.max_rows, self.obs_rows = int(max_rows), int(obs_rows)
         self.timeout_s = timeout_s
         self.arrays: dict[str, np.ndarray] | None = None
+        self._bell: int | None = None  # the write end of the poller's doorbell
         self._inflight: tuple[Any, np.ndarray, float, bool] | None = None  # (sequence or ObjectRef, obs,
         # temperature, greedy)
         # of the search that submit_search sent and wait_search collects
@@ -307,13 +351,25 @@ class InferenceClient:
             return
         # Plain ndarray views of the maps (a np.memmap's slicing runs Python code on every access).
         self.arrays = {tag: shm.open_map(path, "r+").view(np.ndarray) for tag, path in info["paths"].items()}
+        self._ring_off()
+        if info.get("doorbell"):  # a poller asleep on its doorbell hears only clients that ring it: else Ray calls
+            try:
+                self._bell = os.open(info["doorbell"], os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                self.close()
 
     def close(self) -> None:
         import ray
 
+        self._ring_off()
         if self.arrays is not None:
             self.arrays = None
             ray.get(self.server.close_channel.remote(self.client_id))
+
+    def _ring_off(self) -> None:
+        if self._bell is not None:
+            os.close(self._bell)
+            self._bell = None
 
     # -- requests ------------------------------------------------------------------------------------------
 
@@ -423,6 +479,11 @@ class InferenceClient:
         h[KIND], h[ROWS], h[STORE] = kind, rows, store
         seq = int(h[REQ]) + 1
         h[REQ] = seq
+        if self._bell is not None:
+            try:
+                os.write(self._bell, b"\1")
+            except (BlockingIOError, BrokenPipeError):  # full: the poller wakes anyway; gone: the wait finds out
+                pass
         return seq
 
     def _request(self, kind: int, rows: int, store: bool, again: Callable[[], dict[str, Any]]) -> dict[str, Any]:

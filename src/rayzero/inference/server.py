@@ -354,7 +354,7 @@ class InferenceServer:
                                            sleep_s=self.cfg.poll_interval_us * 1e-6, on_gone=self._on_client_gone,
                                            on_idle=self._dispatch_waves)
         self._poller.add(channel)
-        return {"paths": paths}
+        return {"paths": paths, "doorbell": self._poller.doorbell_path}
 
     def _on_client_gone(self, client: str) -> None:
         """Poller thread: the process of a channel's client ended; free its latent slots (the pool locks)."""
@@ -699,6 +699,7 @@ class InferenceServer:
                 "free_slots": self.pool.free, "clients": self.pool.clients,
                 "reclaimed_clients": self.pool.reclaimed_clients, "device": str(self.device),
                 "channel_clients": [] if self._poller is None else sorted(self._poller.channels),
+                "poller_sweeps": 0 if self._poller is None else self._poller.sweeps,
                 "gone_clients": self.gone_clients,
                 "channel_answers": {"event_loop": self._channel_answered_loop, "gpu_thread": self._channel_answered_gpu},
                 "lone_searches": self._lone_done, "batch_waits": dict(self.waits),
