@@ -615,16 +615,22 @@ def test_whole_search_requests_match_a_direct_search():
         asyncio.run(srv.search("e", obs[1], np.ones((2, 3), bool)))
 
 
-@pytest.mark.parametrize("merge", [True, False])
-def test_greedy_searches_join_self_plays_batch_and_still_search_greedily(merge):
+@pytest.mark.parametrize("merge, graphs", [(True, False), (False, False), (True, True)])
+def test_greedy_searches_join_self_plays_batch_and_still_search_greedily(merge, graphs, request):
     """inference.merge_searches: an evaluation's greedy search (no root noise, argmax of visits) and self-play's
-    noisy one share one batch; the greedy rows get what a greedy search of their own gives."""
+    noisy one share one batch; the greedy rows get what a greedy search of their own gives. Also through the
+    whole-search graphs of the (emulated) CUDA path, whose per-row settings go up from a staging slot's pinned
+    buffer."""
     from rayzero.actors.network import LocalNetwork
     from rayzero.tree import SearchConfig, search
 
+    if graphs:
+        request.getfixturevalue("emulated_cuda")
     search_cfg = SearchConfig(num_simulations=12, dirichlet_fraction=0.25, temperature=1.0, cpu_backend="torch")
-    srv = InferenceServer(MODEL, InferenceConfig(device="cpu", max_batch=64, min_bucket=4, merge_searches=merge),
+    srv = InferenceServer(MODEL, InferenceConfig(device="cpu", max_batch=64, min_bucket=4, merge_searches=merge,
+                                                 search_max_batch=16 if graphs else 0, bf16=False),
                           (4,), 3, search_cfg=search_cfg, discount=0.99)
+    assert srv.runner.cuda == graphs
     _randomize(srv.model)
     rng = np.random.default_rng(0)
     obs = [rng.normal(size=(n, 4)).astype(np.float32) for n in (5, 3)]
@@ -644,6 +650,8 @@ def test_greedy_searches_join_self_plays_batch_and_still_search_greedily(merge):
     np.testing.assert_array_equal(greedy["action"], ref.visit_counts.numpy().argmax(-1))
     np.testing.assert_allclose(greedy["root_value"], ref.root_value.numpy(), rtol=1e-5, atol=1e-6)
     assert (played["visit_counts"].sum(1) == 12).all() and played["action"].shape == (5,)
+    if graphs:
+        assert srv.stats()["buckets"]["search/8"]["graph"] == 1
 
 
 @pytest.mark.parametrize("virtual_loss, eval_virtual_loss", [(1, 0), (4, 1), (4, 0)])

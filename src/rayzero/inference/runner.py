@@ -28,6 +28,7 @@ from rayzero.tree.noise import row_defaults
 IDX_ROWS = 7  # src slot, action, dst slot, cache hit entry, cache hit dst slot, cache insert entry, its slot
 SRC, ACT, DST, HIT_SRC, HIT_DST, INS_ENTRY, INS_SLOT = range(IDX_ROWS)
 HIGHEST_PRIORITY = -100  # torch maps a stream priority beyond the device's range to the range's end
+ROW_SETTINGS = 4  # per-row search settings a staging slot holds (tree/noise.py's row_defaults has at most 2)
 SEARCH_GRAPHS_PER_BUCKET = 4  # captured search configs kept per bucket (least recently used evicted)
 
 log = logger(__name__)
@@ -87,6 +88,9 @@ class _Slot:
         self.s_weights = pinned((S, A), torch.float32)
         self.s_visits = pinned((S, A), torch.int64)
         self.s_value = pinned((S,), torch.float32)
+        self.settings = pinned((ROW_SETTINGS, S), torch.float32)  # a merged search's per-row settings
+        self.settings_np = self.settings.numpy()
+        self.settings_read = torch.cuda.Event()  # the compute stream has copied `settings` up
         self.obs_np, self.idx_np, self.mask_np = self.obs.numpy(), self.idx.numpy(), self.mask.numpy()
         self.obs_dev = torch.zeros((M, *runner.obs_shape), dtype=runner.obs_dtype, device=dev)
         self.idx_dev = torch.zeros((IDX_ROWS, M), dtype=torch.int64, device=dev)
@@ -293,8 +297,9 @@ class Runner:
             index ^= 1
         slot = self.slots[index]
         self._next_slot = index ^ 1
-        if slot.busy:  # two batches in flight already (the callers avoid it): wait for this one's upload
+        if slot.busy:  # two batches in flight already (the callers avoid it): wait for this one's uploads
             slot.uploaded.synchronize()
+            slot.settings_read.synchronize()
         slot.busy = True
         return slot
 
@@ -406,15 +411,22 @@ class Runner:
             slot.done.record(self.stream)
         return Flight("recurrent", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end, slot)
 
-    def _row_noise(self, config: SearchConfig, rows: dict[str, np.ndarray], size: int) -> SearchNoise:
+    def _row_noise(self, config: SearchConfig, rows: dict[str, np.ndarray], size: int,
+                   slot: _Slot | None = None) -> SearchNoise:
         """Noise for `size` roots with the per-row settings `rows` (arrays of n <= size rows; padding rows get
-        the config's)."""
+        the config's). With a staging `slot` the settings go up from its pinned buffer without blocking (a copy
+        from pageable memory may wait for the stream, and so for the batch in flight before this one)."""
         noise = sample_noise(config, size, self.A, generator=self.generator, device=self.device)
         settings, defaults = {}, row_defaults(config)
-        for name, values in rows.items():
-            column = np.full(size, defaults[name], np.float32)
+        pinned_rows = slot is not None and len(rows) <= len(slot.settings_np)
+        for i, (name, values) in enumerate(rows.items()):
+            column = slot.settings_np[i, :size] if pinned_rows else np.empty(size, np.float32)
+            column[:] = defaults[name]
             column[:len(values)] = values
-            settings[name] = torch.from_numpy(column).to(self.device)
+            settings[name] = (slot.settings[i, :size].to(self.device, non_blocking=True) if pinned_rows
+                              else torch.from_numpy(column).to(self.device))
+        if pinned_rows:
+            slot.settings_read.record(self.stream)
         return noise._replace(**settings)
 
     def search_bucket(self, rows: int) -> int | None:
@@ -444,7 +456,7 @@ class Runner:
             self._to_static(slot, obs_rows=n, mask_rows=bucket)
             self.graphs[("initial", bucket)].replay()
             captured = self._search_graph(bucket, config, per_row=rows is not None)
-            noise = self._row_noise(config, rows, bucket) if rows is not None else None
+            noise = self._row_noise(config, rows, bucket, slot) if rows is not None else None
             out = captured(self._search_root(bucket), invalid_actions=self.static["mask"][:bucket],
                            generator=self.generator, noise=noise)
             slot.s_action[:n].copy_(out.action[:n], non_blocking=True)
