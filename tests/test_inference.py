@@ -613,6 +613,14 @@ def test_whole_search_requests_match_a_direct_search():
     assert isinstance(bad, InferenceError) and "num_simulations" in str(bad)
     with pytest.raises(InferenceError, match="every action invalid"):
         asyncio.run(srv.search("e", obs[1], np.ones((2, 3), bool)))
+    # The actor remembers the configs of overrides it has seen: a bad one fails again, and one that equals a
+    # remembered one in value but not in type (4.0 for 4) is checked on its own.
+    with pytest.raises(InferenceError, match="num_simulations"):
+        asyncio.run(srv.search("d", obs[0], num_simulations=0))
+    with pytest.raises(InferenceError, match="num_simulations"):
+        asyncio.run(srv.search("d", obs[0], num_simulations=4.0))
+    again = asyncio.run(srv.search("c", obs[0], num_simulations=4))
+    assert (again["visit_counts"].sum(1) == 4).all()
 
 
 @pytest.mark.parametrize("merge, graphs", [(True, False), (False, False), (True, True)])
@@ -859,6 +867,48 @@ def test_emulated_cuda_a_batch_wait_sleeps_on_the_blocking_event_recorded_after_
     else:
         assert [w.blocking for w in waited] == [False] * 3 and all(id(w) in ends for w in waited)
     assert srv.stats()["batch_waits"] == ({"slept": 3, "spun": 0} if sleep_waits else {"slept": 0, "spun": 3})
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_emulated_cuda_whole_searches_take_their_noise_from_pools_drawn_for_many_searches(emulated_cuda, monkeypatch,
+                                                                                          merge):
+    """Whole searches on the graphs draw their root and action noise once per NOISE_POOL_ROWS roots of a (config,
+    bucket), not once per search. Known answers with pools of 16 roots: bucket 4's first four searches share one
+    draw and the fifth draws anew; each search gets noise no other did; greedy searches still answer as a
+    direct greedy search does; merged or not."""
+    import rayzero.inference.runner as runner_module
+    from rayzero.actors.network import LocalNetwork
+    from rayzero.tree import SearchConfig, search
+
+    monkeypatch.setattr(runner_module, "NOISE_POOL_ROWS", 16)
+    search_cfg = SearchConfig(num_simulations=6, dirichlet_fraction=0.25, temperature=1.0, cpu_backend="torch")
+    srv = InferenceServer(MODEL, InferenceConfig(device="cpu", max_batch=16, min_bucket=4, search_max_batch=16,
+                                                 bf16=False, merge_searches=merge),
+                          (4,), 3, search_cfg=search_cfg, discount=0.99)
+    _randomize(srv.model)
+    runner = srv.runner
+    seen = []
+    real = runner._pooled_noise
+
+    def pooled(config, bucket):
+        noise = real(config, bucket)
+        seen.append(None if noise.root is None else noise.root.clone())  # None: a greedy search's
+        return noise
+
+    monkeypatch.setattr(runner, "_pooled_noise", pooled)
+    obs = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    for i in range(4):
+        asyncio.run(srv.search("a", obs))
+        assert runner.noise_draws == 1, i
+    asyncio.run(srv.search("a", obs))
+    assert runner.noise_draws == 2 and len(seen) == 5
+    assert all(s.shape == (4, 3) for s in seen)
+    assert all(not torch.equal(seen[i], seen[j]) for i in range(5) for j in range(i))
+    greedy = asyncio.run(srv.search("e", obs, temperature=0.0, dirichlet_fraction=0.0))
+    evaluator = LocalNetwork(srv.model, 0.99)
+    greedy_cfg = dataclasses.replace(search_cfg, temperature=0.0, dirichlet_fraction=0.0)
+    ref = search(evaluator.root(obs), evaluator.recurrent_fn, 6, greedy_cfg)
+    np.testing.assert_array_equal(greedy["visit_counts"], ref.visit_counts.numpy())
 
 
 def test_emulated_cuda_whole_searches_stop_at_a_smaller_bucket_where_it_moves_more_rows_per_device_second(

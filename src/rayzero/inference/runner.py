@@ -29,6 +29,8 @@ IDX_ROWS = 7  # src slot, action, dst slot, cache hit entry, cache hit dst slot,
 SRC, ACT, DST, HIT_SRC, HIT_DST, INS_ENTRY, INS_SLOT = range(IDX_ROWS)
 HIGHEST_PRIORITY = -100  # torch maps a stream priority beyond the device's range to the range's end
 ROW_SETTINGS = 4  # per-row search settings a staging slot holds (tree/noise.py's row_defaults has at most 2)
+NOISE_POOL_ROWS = 4096  # roots' worth of search noise a runner draws at once per (search config, bucket)
+NOISE_POOLS = 64  # most (config, bucket) pools a runner keeps
 SEARCH_GRAPHS_PER_BUCKET = 4  # captured search configs kept per bucket (least recently used evicted)
 
 log = logger(__name__)
@@ -161,6 +163,8 @@ class Runner:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.searches: collections.OrderedDict[tuple[int, SearchConfig, bool], Any] = collections.OrderedDict()
         self.capture_s = 0.0
+        self._noise_pools: collections.OrderedDict[tuple, list] = collections.OrderedDict()  # _pooled_noise's
+        self.noise_draws = 0  # pools of search noise drawn
         self.capture_parts: dict[str, float] = {}  # start-up seconds: the network's graphs, each bucket's search
         self.capture_started = 0.0  # perf_counter() when the start-up captures began
         self.serving = False  # set once the start-up captures are done
@@ -411,12 +415,34 @@ class Runner:
             slot.done.record(self.stream)
         return Flight("recurrent", n, bucket, graph, {"out": slot.out.numpy()[:n]}, slot.start, slot.end, slot)
 
+    def _pooled_noise(self, config: SearchConfig, bucket: int) -> SearchNoise:
+        """Fresh noise for one whole search of `bucket` roots: the next slice of a pool drawn for NOISE_POOL_ROWS
+        roots at once. A draw is a few dozen small kernels (the Gamma sampler's unrolled proposals, the Gumbel
+        draws) whatever the batch, each a launch on the host: per search they stood between the batch's start and
+        its graph, which one env alone waits on every step. Slices of one i.i.d. draw are independent draws."""
+        key = (config, bucket)
+        pool = self._noise_pools.get(key)
+        if pool is None or pool[1] == len(pool[0]):
+            self._noise_pools.pop(key, None)
+            if len(self._noise_pools) >= NOISE_POOLS:  # the least recently drawn (a config no longer asked for)
+                self._noise_pools.popitem(last=False)
+            count = max(1, NOISE_POOL_ROWS // bucket)
+            drawn = sample_noise(config, count * bucket, self.A, generator=self.generator, device=self.device)
+            slices = [SearchNoise(*(None if t is None else t.view(count, bucket, *t.shape[1:])[i] for t in drawn))
+                      for i in range(count)]
+            pool = self._noise_pools[key] = [slices, 0]
+            self.noise_draws += 1
+        noise = pool[0][pool[1]]
+        pool[1] += 1
+        return noise
+
     def _row_noise(self, config: SearchConfig, rows: dict[str, np.ndarray], size: int,
                    slot: _Slot | None = None) -> SearchNoise:
         """Noise for `size` roots with the per-row settings `rows` (arrays of n <= size rows; padding rows get
         the config's). With a staging `slot` the settings go up from its pinned buffer without blocking (a copy
         from pageable memory may wait for the stream, and so for the batch in flight before this one)."""
-        noise = sample_noise(config, size, self.A, generator=self.generator, device=self.device)
+        noise = (self._pooled_noise(config, size) if slot is not None
+                 else sample_noise(config, size, self.A, generator=self.generator, device=self.device))
         settings, defaults = {}, row_defaults(config)
         pinned_rows = slot is not None and len(rows) <= len(slot.settings_np)
         for i, (name, values) in enumerate(rows.items()):
@@ -456,7 +482,8 @@ class Runner:
             self._to_static(slot, obs_rows=n, mask_rows=bucket)
             self.graphs[("initial", bucket)].replay()
             captured = self._search_graph(bucket, config, per_row=rows is not None)
-            noise = self._row_noise(config, rows, bucket, slot) if rows is not None else None
+            noise = (self._row_noise(config, rows, bucket, slot) if rows is not None
+                     else self._pooled_noise(config, bucket))
             out = captured(self._search_root(bucket), invalid_actions=self.static["mask"][:bucket],
                            generator=self.generator, noise=noise)
             slot.s_action[:n].copy_(out.action[:n], non_blocking=True)

@@ -75,6 +75,7 @@ def _as_inference_error(kind: str, error: Exception) -> InferenceError:
 _ANSWERED = object()  # the result of a fast-path request already written into its channel
 BUCKET_CUT_MIN_COUNT = 3  # batches of a bucket timed before inference.bucket_cut trusts its mean
 BUCKET_CUT_MARGIN = 1.05  # how many times the rows per device second a cut must move to be taken
+SEARCH_CONFIGS = 256  # most search overrides whose configs the actor remembers (_search_configs)
 WAVE_BATCHES = 2  # most unfinished wave jobs (recurrent batches from the wave queue): one running, one waiting
 
 
@@ -157,6 +158,8 @@ class InferenceServer:
         self.eval_runner = (self._eval_runner(model_cfg, eval_rows, discount, seed)
                             if cfg.pinned_eval and eval_rows > 0 else None)
         self._init_lanes(model_cfg, discount, seed)
+        self._configs: dict[tuple, tuple[SearchConfig, Any]] = {}  # _search_configs' (any thread: dict ops are atomic)
+        self.waits = {"slept": 0, "spun": 0}  # GPU thread: CUDA batch waits that slept, or spun
         self.eval_version = 0
         if cuda:  # where a run's start goes (its first update waits for this actor)
             self._log_start(started)
@@ -226,7 +229,6 @@ class InferenceServer:
         self._lane_unfinished = [0] * len(self.lanes)  # GPU thread: batches launched on each and not finished
         self._lane_launched = [0.0] * len(self.lanes)  # GPU thread: when each last had a batch launched
         self.lane_batches = [0] * len(self.lanes)  # batches launched on each
-        self.waits = {"slept": 0, "spun": 0}  # GPU thread: CUDA batch waits that slept, or spun
 
     def _lane_runner(self, model_cfg: ModelConfig, discount: float, seed: int) -> Runner:
         """A further search lane: a copy of the served network with its own stream, buffers and whole-search
@@ -303,10 +305,7 @@ class InferenceServer:
         self._check_client("search", client)
         obs = self._check_obs("search", obs)
         mask = self._check_mask(invalid_actions, len(obs))
-        try:
-            config = dataclasses.replace(self.search_cfg, **overrides) if overrides else self.search_cfg
-        except (TypeError, ValueError) as error:
-            raise InferenceError(f"search: bad search config override {overrides}: {error}") from None
+        config, merged = self._search_configs(overrides)
         if len(obs) == 0:
             return {"action": np.zeros(0, np.int64), "action_weights": np.zeros((0, self.num_actions), np.float32),
                     "visit_counts": np.zeros((0, self.num_actions), np.int64), "root_value": np.zeros(0, np.float32),
@@ -321,11 +320,33 @@ class InferenceServer:
                                      f"({channels.GREEDY_OVERRIDES}); got overrides {overrides}")
             config = self.eval_search_cfg  # with the evaluation's simulations (a channel request names none)
             return ("search", config, "pinned"), client, (obs, mask), len(obs)
-        merged = merged_search(config, self.search_cfg) if self.cfg.merge_searches else None
         if merged is not None:  # one batch for every request of the same search shape, each row its settings
             shape, settings = merged
             return ("search", shape, "rows"), client, (obs, mask, settings), len(obs)
         return ("search", config), client, (obs, mask), len(obs)
+
+    def _search_configs(self, overrides: dict[str, Any]) -> tuple[SearchConfig, Any]:
+        """A request's search config (the run's with `overrides`) and its merged batch's (`merged_search`; None
+        where it joins none), remembered per overrides: a channel's requests repeat a few, and building them is
+        two dataclass copies with their checks on every search."""
+        try:
+            key = tuple(sorted((name, type(value).__name__, value) for name, value in overrides.items()))
+            hash(key)
+        except TypeError:
+            key = None
+        known = self._configs.get(key) if key is not None else None
+        if known is not None:
+            return known
+        try:
+            config = dataclasses.replace(self.search_cfg, **overrides) if overrides else self.search_cfg
+        except (TypeError, ValueError) as error:
+            raise InferenceError(f"search: bad search config override {overrides}: {error}") from None
+        known = config, merged_search(config, self.search_cfg) if self.cfg.merge_searches else None
+        if key is not None:
+            if len(self._configs) >= SEARCH_CONFIGS:
+                self._configs.clear()
+            self._configs[key] = known
+        return known
 
     async def open_channel(self, client: str, max_rows: int, obs_rows: int = 0,
                            node_id: str | None = None, pid: int | None = None) -> dict[str, Any] | None:
