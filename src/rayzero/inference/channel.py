@@ -193,7 +193,7 @@ class Poller:
     poller's sleeps end at a ring, and with two or more requests in flight (many clients: a GPU host's self-play)
     it sleeps on the doorbell alone, up to DOORBELL_WAIT_S, instead of sweeping every `sleep_s`: tens of thousands
     of wake-ups a second, each taking the actor's GIL and part of a core. With one request in flight (one env, an
-    evaluation alone) it keeps its fast sweeps, whose wake-ups keep its core ready for the next request."""
+    evaluation alone) it keeps its fast sweeps, as one env's latency was measured with them."""
 
     def __init__(self, on_requests: Callable[[list[tuple[ServerChannel, int]]], None], idle_timeout_s: float = 0.0,
                  sleep_s: float = 20e-6, on_gone: Callable[[str], None] | None = None, idle_after_s: float = 0.005,
