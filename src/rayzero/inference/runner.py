@@ -422,19 +422,18 @@ class Runner:
         its graph, which one env alone waits on every step. Slices of one i.i.d. draw are independent draws."""
         key = (config, bucket)
         pool = self._noise_pools.get(key)
-        if pool is None or pool[1] == len(pool[0]):
+        if pool is None or pool[1] == pool[2]:
             self._noise_pools.pop(key, None)
             if len(self._noise_pools) >= NOISE_POOLS:  # the least recently drawn (a config no longer asked for)
                 self._noise_pools.popitem(last=False)
             count = max(1, NOISE_POOL_ROWS // bucket)
             drawn = sample_noise(config, count * bucket, self.A, generator=self.generator, device=self.device)
-            slices = [SearchNoise(*(None if t is None else t.view(count, bucket, *t.shape[1:])[i] for t in drawn))
-                      for i in range(count)]
-            pool = self._noise_pools[key] = [slices, 0]
+            pool = self._noise_pools[key] = [[None if t is None else t.view(count, bucket, *t.shape[1:])
+                                              for t in drawn], 0, count]
             self.noise_draws += 1
-        noise = pool[0][pool[1]]
+        tensors, index, _ = pool
         pool[1] += 1
-        return noise
+        return SearchNoise(*(None if t is None else t[index] for t in tensors))
 
     def _row_noise(self, config: SearchConfig, rows: dict[str, np.ndarray], size: int,
                    slot: _Slot | None = None) -> SearchNoise:
