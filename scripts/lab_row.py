@@ -5,7 +5,8 @@
 Prints: when the first update landed, updates and env steps by each time, the self-play return (and the share of
 its rewards above 0 over the minute before: Pong's points won) and the greedy evaluations, the first learner rows' gradient norm and consistency loss, the learner's rate over the last 200 s
 (and the share of it spent inside its calls), the diagnostics averaged over the last 5 learner rows, and the mean
-GPU utilisation from an `nvidia-smi dmon -s u -d 5` log (the run's mean, and over its last 200 s).
+GPU utilisation: the run's own (each progress row's `gpu_util`, and summary.json's phases) and from an `nvidia-smi
+dmon -s u -d 5` log (the run's mean, and over its last 200 s).
 """
 
 from __future__ import annotations
@@ -115,6 +116,18 @@ def main() -> None:
     if learner:
         means = {k: sum(r[k] for r in learner if k in r) / max(1, sum(k in r for r in learner)) for k in DIAGNOSTICS}
         print("  last rows: " + "  ".join(f"{k} {v:.3g}" for k, v in means.items()))
+    gpu_rows = [r for r in rows if "gpu_util" in r]
+    if gpu_rows:  # the driver's own sampling (every 0.2 s; one mean per progress row)
+        end = gpu_rows[-1]["wall_seconds"]
+        window = [r["gpu_util"] for r in gpu_rows if r["wall_seconds"] > end - 200]
+        print(f"  GPU util (the run's rows) {sum(r['gpu_util'] for r in gpu_rows) / len(gpu_rows):.0f} % over "
+              f"{len(gpu_rows)} rows to {end:.0f} s, {sum(window) / len(window):.0f} % over its last 200 s")
+    summary_path = os.path.join(os.path.dirname(path), "summary.json")
+    gpu = json.load(open(summary_path)).get("gpu") if os.path.exists(summary_path) else None
+    if gpu:
+        print("  GPU util (summary.json, from " + f"{gpu['from_seconds']:.0f} s) {gpu['util_mean']:.1f} % mean; " +
+              ", ".join(f"{name} {gpu[f'util_{name}']:.1f} % over {gpu[f'seconds_{name}']:.0f} s"
+                        for name in ("start", "training", "end") if gpu.get(f"util_{name}") is not None))
     if args.dmon and os.path.exists(args.dmon):
         sm = [int(line.split()[1]) for line in open(args.dmon)
               if line.strip() and not line.startswith("#") and line.split()[1].isdigit()]

@@ -150,6 +150,17 @@ def test_a_time_limited_run_ends_by_its_limit_with_its_final_evaluation(tmp_path
     waits = [(row["learner_wait_share"], row["selfplay_wait_share"]) for row in played]
     assert waits and all(0.0 <= a <= 1.0 + 1e-6 and 0.0 <= b <= 1.0 + 1e-6 for a, b in waits), waits
     assert re.search(r"rewards \+[1-9][0-9]*/-0 \(", log), log[-3000:]
+    # The GPUs of the driver's machine, sampled through the run: each progress row's utilisation, and the run's
+    # phases in summary.json (none on a machine without a GPU).
+    from rayzero.gpu_monitor import GpuMonitor
+
+    gpu = summary["gpu"]
+    if GpuMonitor(index=None).available:
+        assert gpu["util_mean"] is not None and gpu["seconds_training"] > 0 and gpu["seconds_end"] > 0, gpu
+        assert 0 <= gpu["from_seconds"] < 30 and all(0 <= row["gpu_util"] <= 100 for row in played), gpu
+        assert "% mean" in log
+    else:
+        assert gpu is None and not any("gpu_util" in row for row in rows), gpu
 
 
 def test_sigterm_ends_the_run_cleanly(tmp_path):

@@ -34,6 +34,7 @@ import torch
 from rayzero import cluster
 from rayzero.config import Config, to_yaml
 from rayzero.envs import env_spec
+from rayzero.gpu_monitor import GpuMonitor
 from rayzero.learner import checkpoint as ckpt
 from rayzero.ledger import TransitionLedger
 from rayzero.logs import logger
@@ -41,7 +42,7 @@ from rayzero.replay.buffer import diagnostic_means
 from rayzero.schedule import COLLECT, EVAL, LEARN, REANALYSE, Call, Counters, Rules, Schedule, Waits
 from rayzero.storage import RunStorage
 
-__all__ = ["Driver", "check_fresh", "check_resumable", "train"]
+__all__ = ["Driver", "check_fresh", "check_resumable", "gpu_phases", "train"]
 
 log = logger(__name__)
 MAX_RESTARTS_IN_A_ROW = 5
@@ -58,6 +59,9 @@ slowed by the learner's compile helpers starting beside it."""
 FINAL_EVAL_FLOOR = 5.0
 """The final evaluation's budget in seconds when stopping training took the run past its time limit: a few
 games' worth of steps, so that the summary still scores the final weights."""
+GPU_SAMPLE_S = 0.2
+"""Seconds between samples of the GPUs' utilisation (the driver's machine's GPUs: a progress row's and
+summary.json's `gpu`)."""
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
 """What a run dir holds once a run has started in it."""
 
@@ -197,6 +201,10 @@ class Driver:
         self.prewarm: list[Any] = []  # learner.early_compile's helper processes
         self.prewarm_dir: Path | None = None  # where they report
         self.ledger: TransitionLedger | None = None  # what self-play sent, what replay holds, what was lost
+        # The driver's machine's GPUs, sampled from the driver's start (None without any), and when (monotonic) the
+        # run's phases began: the first update, the end of training, the end (the final evaluation and checkpoint).
+        self.gpu: GpuMonitor | None = None
+        self.gpu_marks: dict[str, float] = {}
         self.faults: dict[str, int] = {"selfplay_actors_replaced": 0, "inference_actors_replaced": 0,
                                        "learner_calls_broken_by_replay": 0}
 
@@ -241,6 +249,7 @@ class Driver:
     def run(self) -> dict[str, Any]:
         config, run_dir = self.config, self.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._start_gpu_monitor()
         checkpoint = self._read_checkpoint() if self.resume else None
         (run_dir / "config.yaml").write_text(to_yaml(config))
         how = cluster.connect(config.cluster)
@@ -264,6 +273,16 @@ class Driver:
             return self._run(handles, checkpoint)
         finally:
             self._end_early_compile()
+            if self.gpu is not None:
+                self.gpu.stop()
+
+    def _start_gpu_monitor(self) -> None:
+        """Sample the utilisation of this machine's GPUs from now to the run's end, if it has any."""
+        monitor = GpuMonitor(index=None)
+        if monitor.available:
+            self.gpu = monitor
+            self.gpu_marks = {"start": time.monotonic(), "start_wall": self.wall_before + time.perf_counter() - self.start}
+            monitor.start(GPU_SAMPLE_S)
 
     def _run(self, handles: cluster.Handles, checkpoint: Path | None) -> dict[str, Any]:
         run_dir = self.run_dir
@@ -377,6 +396,7 @@ class Driver:
                 if self.stop_reason == "time_limit" and schedule.reserve:
                     log.info("training stops %.0f s before the time limit, for the final evaluation",
                              schedule.reserve)
+                self.gpu_marks["training_end"] = time.monotonic()
                 break
             in_flight = {call.key for call in self.pending.values()}
             for call in schedule.next_calls(self.counters, in_flight, self.actors, time.perf_counter(),
@@ -602,6 +622,8 @@ class Driver:
             log.info("the learner group restarted from its last checkpoint (learner steps %d -> %d)",
                      self.counters.learner_steps, result["learner_steps"])
         self.counters.learner_steps = result["learner_steps"]
+        if self.counters.learner_steps > self.at_start.learner_steps:
+            self.gpu_marks.setdefault("first_update", time.monotonic())
         self.learner_version = result["version"]
         self.schedule.learned(self.counters)
         # The learner's float metrics, and how many of its updates went through the step graph
@@ -714,6 +736,12 @@ class Driver:
         }
         if self.waits is not None:
             row.update(self.waits.read(time.perf_counter()))
+        if self.gpu is not None:  # the GPUs' utilisation since the last row
+            now = time.monotonic()
+            util = GpuMonitor.mean_util(self.gpu.samples(since=self.gpu_marks.get("row", -math.inf)))
+            self.gpu_marks["row"] = now
+            if util is not None:
+                row["gpu_util"] = util
         if recent:
             row["train_return_mean"] = float(np.mean(recent))
         reward_sum, positive, negative, steps = self.selfplay_rewards
@@ -738,13 +766,15 @@ class Driver:
         train = f"{row.get('train_return_mean', float('nan')):.1f}"
         won, lost = (sum(counts) for counts in zip(*self.recent_rewards))
         span = len(self.recent_rewards) * self.config.run.log_interval
+        gpu = f"  GPU {row['gpu_util']:.0f} %" if "gpu_util" in row else ""
         log.info(f"[{elapsed:6.0f}s] env steps {counters.env_steps:>9,d} ({row['env_steps_per_second']:.0f}/s)  "
                  f"learner steps {counters.learner_steps:>7,d} ({row['learner_steps_per_second']:.1f}/s)  "
-                 f"train return {train}  rewards +{won}/-{lost} ({span:.0f} s)  eval {last}")
+                 f"train return {train}  rewards +{won}/-{lost} ({span:.0f} s)  eval {last}{gpu}")
 
     def _finish(self, handles: cluster.Handles, metrics: MetricsLog) -> dict[str, Any]:
         """The final evaluation (unless the last one played the final weights), checkpoint and summary.json."""
         run = self.config.run
+        self.gpu_marks.setdefault("training_end", time.monotonic())  # (a loop ended by a second signal)
         self._publish(handles, wait=True)  # the inference actor (which evaluation may search with) serves them too
         final_weights = self.weights
         version = ray.get(final_weights)[0]
@@ -767,15 +797,30 @@ class Driver:
                 self._record_eval(self._final_evaluation(handles, args, playing), metrics)
         path = self.save_checkpoint(handles, before_commit=collect)
         summary = self._summary(handles, version, path)
+        summary["gpu"] = self._gpu_summary()
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         tmp.replace(self.run_dir / "summary.json")
         metrics.close()
         self.storage.sync()
-        log.info("done (%s): %s env steps, %s learner steps in %.0fs; eval %.1f ± %.1f", self.stop_reason,
+        gpu = summary["gpu"]
+        gpu = "" if not gpu or gpu["util_mean"] is None else \
+            f"; GPU {gpu['util_mean']:.0f} % mean" + "".join(
+                f", {gpu[f'util_{name}']:.0f} % over its {name} ({gpu[f'seconds_{name}']:.0f} s)"
+                for name in ("start", "training", "end") if gpu.get(f"util_{name}") is not None)
+        log.info("done (%s): %s env steps, %s learner steps in %.0fs; eval %.1f ± %.1f%s", self.stop_reason,
                  f"{self.counters.env_steps:,d}", f"{self.counters.learner_steps:,d}", summary["wall_seconds"],
-                 summary["eval_return_mean"], summary["eval_return_std"])
+                 summary["eval_return_mean"], summary["eval_return_std"], gpu)
         return summary
+
+    def _gpu_summary(self) -> dict[str, Any] | None:
+        """Where the run's GPU time went (`gpu_phases`; None without a GPU on the driver's machine)."""
+        if self.gpu is None:
+            return None
+        end = time.monotonic()
+        samples = self.gpu.stop()
+        return {"backend": self.gpu.backend, "devices": self.gpu.devices,
+                "from_seconds": round(self.gpu_marks["start_wall"], 1), **gpu_phases(samples, self.gpu_marks, end)}
 
     def _final_evaluation(self, handles: cluster.Handles, args: tuple, playing: Any) -> dict[str, Any]:
         """The final evaluation's result (`playing`: its ObjectRef); once more if its actor died (Ray restarts
@@ -820,6 +865,23 @@ class Driver:
             "faults": faults,
             **accounts,
         }
+
+
+def gpu_phases(samples: list[tuple[float, float, float]], marks: dict[str, float], end: float) -> dict[str, Any]:
+    """The GPUs' mean utilisation (%) over a run's samples (GpuMonitor's, from `marks['start']` to `end`), and over
+    its phases: `start` until the learner's first call returned (`marks['first_update']`), `training` from there
+    to the end of training (`marks['training_end']`, else `end`), and `end` (the final evaluation and checkpoint).
+    A phase that did not happen is left out (a run whose learner never returned has no `training`); with it, the
+    phase's seconds."""
+    first, stopped = marks.get("first_update"), marks.get("training_end", end)
+    spans = {"start": (marks["start"], first if first is not None else stopped),
+             "training": (first, stopped) if first is not None else None, "end": (stopped, end)}
+    out: dict[str, Any] = {"samples": len(samples), "util_mean": GpuMonitor.mean_util(samples)}
+    for name, span in spans.items():
+        if span is not None:
+            out[f"util_{name}"] = GpuMonitor.mean_util(samples, *span)
+            out[f"seconds_{name}"] = round(span[1] - span[0], 1)
+    return out
 
 
 def train(config: Config, out: str | Path, resume: bool = False, started: float | None = None) -> dict[str, Any]:

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import os
-import subprocess
-import threading
 import time
 import traceback
 from typing import Any
@@ -33,139 +30,10 @@ from typing import Any
 import numpy as np
 
 from rayzero.bench.common import write_json
+from rayzero.gpu_monitor import GpuMonitor
 
 ATARI_OBS = (12, 96, 96)
 ATARI_ACTIONS = 18
-
-
-# ------------------------------------------------------------------------------------------ GPU counters
-
-
-class GpuMonitor:
-    """GPU utilisation and energy: NVML through pynvml, else libnvidia-ml via ctypes, else nvidia-smi."""
-
-    def __init__(self, index: int = 0):
-        self.index = index
-        self.backend = "none"
-        self._samples: list[tuple[float, float, float]] = []  # (time, util %, power W)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self._util = lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            self._energy = lambda: float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)) / 1e3
-            self._power = lambda: float(pynvml.nvmlDeviceGetPowerUsage(handle)) / 1e3
-            self.backend = "pynvml"
-            return
-        except Exception:  # noqa: BLE001 - fall through to the next backend
-            pass
-        try:
-            lib = ctypes.CDLL("libnvidia-ml.so.1")
-            if lib.nvmlInit_v2() != 0:
-                raise OSError("nvmlInit failed")
-            handle = ctypes.c_void_p()
-            if lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
-                raise OSError("no NVML device")
-
-            class Utilization(ctypes.Structure):
-                _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
-
-            def util() -> float:
-                u = Utilization()
-                lib.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(u))
-                return float(u.gpu)
-
-            def energy() -> float:
-                e = ctypes.c_ulonglong()
-                if lib.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(e)) != 0:
-                    raise OSError("no energy counter")
-                return e.value / 1e3
-
-            def power() -> float:
-                p = ctypes.c_uint()
-                lib.nvmlDeviceGetPowerUsage(handle, ctypes.byref(p))
-                return p.value / 1e3
-
-            energy()
-            self._util, self._energy, self._power = util, energy, power
-            self.backend = "nvml-ctypes"
-            return
-        except Exception:  # noqa: BLE001
-            pass
-        try:
-            subprocess.run(["nvidia-smi", "-L"], check=True, capture_output=True, timeout=10)
-            self.backend = "nvidia-smi"
-        except Exception:  # noqa: BLE001
-            self.backend = "none"
-
-    @property
-    def available(self) -> bool:
-        return self.backend != "none"
-
-    def energy_j(self) -> float | None:
-        """The total energy counter in joules (None without NVML)."""
-        if self.backend in ("pynvml", "nvml-ctypes"):
-            try:
-                return self._energy()
-            except Exception:  # noqa: BLE001
-                return None
-        return None
-
-    def start(self, period_s: float = 0.1) -> None:
-        self._samples = []
-        self._stop.clear()
-        if self.backend == "nvidia-smi":
-            self._thread = threading.Thread(target=self._smi_loop, args=(period_s,), daemon=True)
-        elif self.available:
-            self._thread = threading.Thread(target=self._nvml_loop, args=(period_s,), daemon=True)
-        if self._thread is not None:
-            self._thread.start()
-
-    def _nvml_loop(self, period_s: float) -> None:
-        while not self._stop.is_set():
-            try:
-                self._samples.append((time.monotonic(), self._util(), self._power()))
-            except Exception:  # noqa: BLE001
-                pass
-            self._stop.wait(period_s)
-
-    def _smi_loop(self, period_s: float) -> None:
-        cmd = ["nvidia-smi", f"--id={self.index}", "--query-gpu=utilization.gpu,power.draw",
-               "--format=csv,noheader,nounits", f"-lms={max(50, int(period_s * 1e3))}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        try:
-            for line in proc.stdout:
-                if self._stop.is_set():
-                    break
-                try:
-                    util, power = (float(x) for x in line.split(","))
-                except ValueError:
-                    continue
-                self._samples.append((time.monotonic(), util, power))
-        finally:
-            proc.terminate()
-            proc.wait(timeout=5)
-
-    def stop(self) -> list[tuple[float, float, float]]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        return self._samples
-
-    @staticmethod
-    def summarize(samples: list[tuple[float, float, float]], start: float, end: float) -> dict[str, Any]:
-        window = [s for s in samples if start <= s[0] <= end]
-        if not window:
-            return {"samples": 0}
-        utils = np.array([s[1] for s in window])
-        powers = np.array([s[2] for s in window])
-        return {"samples": len(window), "util_mean": float(utils.mean()), "util_p10": float(np.percentile(utils, 10)),
-                "util_min": float(utils.min()), "power_mean_w": float(powers.mean()),
-                "energy_from_power_j": float(powers.mean() * (end - start))}
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -280,7 +280,7 @@ def served(preset: str, overrides: list[str], seconds: float, warmup_steps: int 
     import ray
 
     from rayzero import cluster
-    from rayzero.bench.inference import GpuMonitor
+    from rayzero.gpu_monitor import GpuMonitor
     from rayzero.envs import env_spec
     from rayzero.models import build_model
 
