@@ -32,4 +32,4 @@ python3 -c "import json; s = json.load(open('/tmp/$name/summary.json')); print('
 [ "${BENCH:-1}" = 1 ] && grep -v "A.L.E\|Stella\|pid=" "$out/bench_learner.txt" | tail -6
 # Where the start went (the GPU idles until the first update): the inference actor's captures, the learner's compile.
 grep -h "done (\|inference actor up\|inference actor.s start\|every role is up\|evaluation step alone\|followed eager\|where eager\|replays as one\|training stops" \
-    "$out/train.log" | sed 's/^.*rayzero/rayzero/' | cut -c1-300
+    "$out/train.log" | sed 's/^.*rayzero/rayzero/' | cut -c1-420
